@@ -1,0 +1,97 @@
+"""Group-relative advantage estimators.
+
+All estimators take the *global* batch (every process's samples, gathered) so that a
+group split across ranks is normalised over the whole group. Stds are population stds
+(ddof = 0), as in flow_grpo's ``np.std``.
+
+* ``group``      — GRPO: A = (r - mean_g) / (std_g + eps).
+* ``global_std`` — A = (r - mean_g) / (std_batch + eps) (flow_grpo's ``global_std``).
+* ``median``     — MC-GRPO (Kim et al. 2025): A = (r - median_g) / (std_g + eps). In an
+  odd-sized group the median sample is a pivot with A = 0 and is excluded from backprop.
+* ``decoupled``  — GDPO (NVIDIA 2026): A_k = group-normalise each reward component k,
+  A_sum = sum_k w_k A_k, then batch-normalise A_sum: (A_sum - mean) / (std + eps).
+
+Groups whose combined reward has zero variance carry no signal; with
+``filter_zero_std`` they are masked out, and the fraction filtered is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ESTIMATORS = ("group", "global_std", "median", "decoupled")
+
+
+@dataclass
+class Advantages:
+    values: torch.Tensor  # (N,) advantage per sample
+    keep: torch.Tensor  # (N,) bool: sample contributes to the loss
+    filtered_fraction: float  # fraction of groups dropped for zero variance
+
+
+def _group_stat(values: torch.Tensor, group_ids: torch.Tensor, fn) -> torch.Tensor:
+    """Broadcast a per-group statistic ``fn(group_values)`` back to every member."""
+    out = torch.empty_like(values)
+    for g in torch.unique(group_ids):
+        mask = group_ids == g
+        out[mask] = fn(values[mask])
+    return out
+
+
+def _pop_std(x: torch.Tensor) -> torch.Tensor:
+    return x.std(unbiased=False) if x.numel() > 1 else x.new_zeros(())
+
+
+def _median(x: torch.Tensor) -> torch.Tensor:
+    return torch.quantile(x, 0.5)  # true median: mean of the middle pair for even sizes
+
+
+def _scaled(centred: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
+    """centred / (std + eps), and exactly 0 where std == 0 (no signal, never NaN)."""
+    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+
+
+def _group_normalise(r: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    return _scaled(r - _group_stat(r, group_ids, torch.mean), _group_stat(r, group_ids, _pop_std), eps)
+
+
+def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "group",
+                       eps: float = 1e-4, filter_zero_std: bool = True,
+                       components: torch.Tensor | None = None,
+                       weights: torch.Tensor | None = None) -> Advantages:
+    """Advantages for N samples.
+
+    ``rewards`` (N,) is the combined (weighted) reward; ``components`` (N, K) and
+    ``weights`` (K,) are the per-reward scores, used by ``decoupled``.
+    """
+    r = rewards.double()
+    group_ids = torch.as_tensor(group_ids)
+    if estimator == "group":
+        adv = _group_normalise(r, group_ids, eps)
+    elif estimator == "global_std":
+        adv = _scaled(r - _group_stat(r, group_ids, torch.mean), _pop_std(r).expand_as(r), eps)
+    elif estimator == "median":
+        adv = _scaled(r - _group_stat(r, group_ids, _median), _group_stat(r, group_ids, _pop_std), eps)
+    elif estimator == "decoupled":
+        if components is None:
+            components, weights = r[:, None], torch.ones(1, dtype=torch.float64)
+        comps = components.double()
+        w = torch.ones(comps.shape[1], dtype=torch.float64) if weights is None else weights.double()
+        summed = sum(w[k] * _group_normalise(comps[:, k], group_ids, eps) for k in range(comps.shape[1]))
+        adv = _scaled(summed - summed.mean(), _pop_std(summed).expand_as(summed), eps)
+    else:
+        raise ValueError(f"unknown advantage estimator '{estimator}'; valid: {', '.join(ESTIMATORS)}")
+
+    keep = torch.ones_like(r, dtype=torch.bool)
+    if estimator == "median":  # MC-GRPO pivot: exactly-median members of odd groups
+        sizes = _group_stat(torch.ones_like(r), group_ids, torch.sum)
+        keep &= ~((sizes % 2 == 1) & (r == _group_stat(r, group_ids, _median)))
+    zero_var = _group_stat(r, group_ids, _pop_std) == 0
+    n_groups = len(torch.unique(group_ids))
+    n_zero = len(torch.unique(group_ids[zero_var])) if bool(zero_var.any()) else 0
+    if filter_zero_std:
+        keep &= ~zero_var
+        adv = torch.where(zero_var, torch.zeros_like(adv), adv)
+    return Advantages(adv.float(), keep, n_zero / max(n_groups, 1))

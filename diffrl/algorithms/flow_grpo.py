@@ -1,0 +1,108 @@
+"""The Flow-GRPO objective (Liu et al. 2025, "Flow-GRPO", Eq. 6 and 11).
+
+Per trained denoising step t and sample i:
+
+    ratio = exp(log p_theta(x_{t+1} | x_t) - log p_old(x_{t+1} | x_t))
+    L_clip = max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))        (PPO, Schulman 2017)
+    L = mean(L_clip) + beta * KL(p_theta || p_ref)
+
+A is clipped to [-adv_clip_max, adv_clip_max]. The KL between the two Gaussian
+transitions with equal std is ||mu_theta - mu_ref||^2 / (2 std^2) (``exact``), or
+flow_grpo's variant dividing by std_t^2 (``flow_grpo``); see ``diffrl.sampling.sde``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from diffrl.models.base import Conditioning
+from diffrl.sampling.sde import gaussian_kl, step
+
+
+@dataclass
+class StepBatch:
+    """One denoising step of a micro-batch, read from a Trajectory."""
+
+    x_t: torch.Tensor
+    x_next: torch.Tensor
+    sigma: torch.Tensor  # scalar
+    sigma_next: torch.Tensor  # scalar
+    sigma_1: float | None
+    kind: str
+    old_log_prob: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,)
+    cond: Conditioning
+    weights: torch.Tensor | None = None  # (B,) 1 = train on the sample, 0 = masked out
+
+
+def masked_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean over samples with weight 1. Masking (rather than dropping) keeps every process
+    running the same forwards, which DDP's collective backward requires."""
+    if weights is None:
+        return values.mean()
+    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+@dataclass
+class LossContext:
+    """What an objective may call: velocities of the policy (with grad) and reference."""
+
+    policy_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
+    reference_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None
+    objective_cfg: object
+    noise_level: float
+
+
+def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio loss (+ KL) for one step of a micro-batch; returns (loss, stats)."""
+    ocfg = ctx.objective_cfg
+    b = batch.x_t.shape[0]
+    sigma_b = batch.sigma.expand(b)
+    v = ctx.policy_velocity(batch.x_t, sigma_b, batch.cond)
+    new = step(batch.kind, batch.x_t, v, batch.sigma, batch.sigma_next, ctx.noise_level,
+               sigma_1=batch.sigma_1, next_latents=batch.x_next, reduction=ocfg.logprob_reduction)
+    log_ratio = new.log_prob - batch.old_log_prob
+    ratio = torch.exp(log_ratio)
+    adv = torch.clamp(batch.advantages, -ocfg.adv_clip_max, ocfg.adv_clip_max)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - ocfg.clip_range, 1.0 + ocfg.clip_range)
+    w = batch.weights
+    policy_loss = masked_mean(torch.maximum(unclipped, clipped), w)
+    stats = {
+        "policy_loss": policy_loss.detach(),
+        "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, w),
+        "clipfrac": masked_mean(((ratio.detach() - 1.0).abs() > ocfg.clip_range).float(), w),
+        "ratio": masked_mean(ratio.detach(), w),
+    }
+    loss = policy_loss
+    if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
+        with torch.no_grad():
+            v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
+        ref = step(batch.kind, batch.x_t, v_ref, batch.sigma, batch.sigma_next, ctx.noise_level,
+                   sigma_1=batch.sigma_1, next_latents=batch.x_next, reduction=ocfg.logprob_reduction)
+        kl = masked_mean(gaussian_kl(new.mean, ref.mean.detach(), new.std, new.std_t, ocfg.kl_type,
+                                     ocfg.logprob_reduction), w)
+        loss = loss + ocfg.kl_coef * kl
+        stats["kl"] = kl.detach()
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
+_OBJECTIVES = {"flow_grpo": flow_grpo_loss}
+
+
+def register_objective(name: str, fn) -> None:
+    _OBJECTIVES[name] = fn
+
+
+def available_objectives() -> list[str]:
+    return sorted(_OBJECTIVES)
+
+
+def get_objective(name: str):
+    if name not in _OBJECTIVES:
+        raise ValueError(f"unknown objective '{name}'; valid: {', '.join(available_objectives())}")
+    return _OBJECTIVES[name]

@@ -1,0 +1,59 @@
+"""Command-line entry for training: ``accelerate launch scripts/train.py --config NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from diffrl.config import ConfigError, describe, load_config
+from diffrl.plan import derive, format_plan
+
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Error types that mean bad input: printed as one line, never as a traceback."""
+    from diffrl.checkpoint import CheckpointError
+    from diffrl.data import PromptFileError
+    from diffrl.models.base import ModelLoadError
+    from rewards import UnknownRewardError
+    from rewards.images import RewardInputError
+
+    return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train a flow-matching model with online RL (flow-GRPO).")
+    p.add_argument("--config", help="config path, or a bare name found in configs/ (e.g. tiny_flux_flowgrpo)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.max_steps=2 (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the derived run plan and exit")
+    p.add_argument("--resume", metavar="latest|PATH", help="continue from the newest checkpoint or a path")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its help text")
+    args = p.parse_args(argv)
+    if not args.help_config and not args.config:
+        p.error("--config is required")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.help_config:
+        print("\n".join(describe()))
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            import os
+
+            print(format_plan(derive(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
+            return 0
+        from diffrl.trainer import Trainer
+
+        trainer = Trainer(cfg)
+        if args.resume:
+            trainer.resume(args.resume)
+        trainer.fit()
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,350 @@
+"""Typed run configuration: YAML -> dataclasses, with validation that names file and key.
+
+Every field carries a help text (``metadata["help"]``). Loading rejects unknown keys and
+wrong types with one :class:`ConfigError` that names the file, the dotted key and the
+valid choices, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file, key and fix."""
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field with a help text; mutable defaults are wrapped in a factory."""
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        proto = default
+        return field(default_factory=lambda: _copy(proto), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _copy(value):
+    import copy
+
+    return copy.deepcopy(value)
+
+
+@dataclass
+class LoraConfig:
+    rank: int = _f(32, "LoRA rank r.")
+    alpha: float = _f(64.0, "LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = _f(0.0, "LoRA dropout. Keep 0 for exact on-policy replay.")
+    target_modules: list[str] | None = _f(None, "Module names to adapt; null uses the family default.")
+
+
+@dataclass
+class ModelConfig:
+    family: str = _f("flux", "Adapter family: one of diffrl.models.available() (flux, sd3, sana, wan).")
+    pretrained: str = _f("tiny", "Hub id or local diffusers directory, or 'tiny' for the offline tiny twin.")
+    revision: str | None = _f(None, "Hub revision (branch, tag or commit) when `pretrained` is a hub id.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "Dtype of the frozen weights (transformer, VAE, text encoders). LoRA weights stay fp32."
+    )
+    height: int = _f(64, "Image height in pixels.")
+    width: int = _f(64, "Image width in pixels.")
+    num_frames: int = _f(1, "Frames per sample (video families only).")
+    guidance_scale: float = _f(1.0, "CFG scale (sd3/sana/wan) or guidance embedding value (flux).")
+    max_sequence_length: int = _f(128, "Max text tokens for the long text encoder (T5/Gemma/UMT5).")
+    full_finetune: bool = _f(False, "Train all transformer weights instead of LoRA; keeps a frozen reference copy.")
+    lora: LoraConfig = _f(LoraConfig(), "LoRA settings (ignored when full_finetune).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    tiny_seed: int = _f(0, "Seed for the random weights of the tiny twin.")
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = _f(10, "Denoising steps per rollout.")
+    sde_type: Literal["sde", "cps", "dance", "ode"] = _f(
+        "sde", "Step rule: flow-GRPO 'sde', coefficient-preserving 'cps', DanceGRPO 'dance' (constant eta), 'ode'."
+    )
+    noise_level: float = _f(0.7, "Noise scale: a for sde/cps, eta for dance.")
+    eval_num_steps: int | None = _f(None, "Steps for evaluation (ODE); null uses num_steps.")
+    sde_window: list[int] | None = _f(
+        None, "[start, end) step indices that use the SDE; other steps use the ODE. Null: all steps."
+    )
+
+
+@dataclass
+class RolloutConfig:
+    strategy: str = _f("independent", "Rollout strategy name from diffrl.sampling.available_strategies().")
+    prompts_per_step: int = _f(2, "Distinct prompts per iteration (across all processes).")
+    group_size: int = _f(4, "Samples per prompt (the GRPO group).")
+    batch_size: int = _f(8, "Samples per transformer forward during rollouts, per process.")
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = _f("assets/prompts/tiny_train.txt", "Training prompt file (.txt one per line, or .jsonl with 'prompt').")
+    eval_prompts: str = _f("assets/prompts/tiny_eval.txt", "Held-out prompt file for evaluation.")
+
+
+@dataclass
+class RewardSpec:
+    name: str = _f("jpeg_compressibility", "Registered reward name (see rewards.available()).")
+    weight: float = _f(1.0, "Weight of this reward in the combined score.")
+    args: dict = _f({}, "Keyword arguments for the reward's constructor (e.g. weights path).")
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: Literal["group", "global_std", "median", "decoupled"] = _f(
+        "group", "group mean/std, group mean with global std, median-centred (MC-GRPO), or per-reward (GDPO)."
+    )
+    eps: float = _f(1e-4, "Added to the std before dividing.")
+    filter_zero_std: bool = _f(True, "Drop groups whose rewards are all equal; they carry no signal.")
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = _f("flow_grpo", "Objective name from diffrl.algorithms.available_objectives().")
+    clip_range: float = _f(1e-4, "PPO ratio clip epsilon.")
+    adv_clip_max: float = _f(5.0, "Advantages are clipped to [-adv_clip_max, adv_clip_max].")
+    timestep_fraction: float = _f(1.0, "Fraction of trainable denoising steps used per sample.")
+    kl_coef: float = _f(0.0, "Weight of the KL to the reference policy.")
+    kl_type: Literal["exact", "flow_grpo"] = _f(
+        "exact", "'exact' Gaussian KL ||mu-mu_ref||^2/(2 std^2 dt); 'flow_grpo' divides by std_t^2 instead."
+    )
+    logprob_reduction: Literal["mean", "sum"] = _f(
+        "mean", "Reduce the per-element Gaussian log-density over latent dims by mean (flow_grpo) or sum."
+    )
+    train_cfg: bool = _f(True, "Apply CFG when recomputing velocities for the loss (as in the rollout).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "AdamW learning rate.")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
+    weight_decay: float = _f(1e-4, "AdamW weight decay.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm; 0 disables.")
+    scheduler: Literal["constant", "cosine", "linear"] = _f("constant", "LR schedule after warm-up.")
+    warmup_steps: int = _f(0, "Linear warm-up optimizer steps.")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = _f(100, "Training iterations (rollout + update).")
+    micro_batch_size: int = _f(4, "Samples per training forward, per process.")
+    gradient_accumulation: int = _f(1, "Micro-batches per optimizer step.")
+    num_inner_epochs: int = _f(1, "Passes over each iteration's samples.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "Autocast precision for forward passes.")
+    ema_decay: float = _f(0.0, "EMA decay of trainable weights used for evaluation; 0 disables.")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "Evaluate every N iterations (and at the end); 0 disables.")
+    num_prompts: int = _f(4, "Held-out prompts used per evaluation.")
+    seeds: list[int] = _f([0], "Fixed seeds; each prompt is sampled once per seed.")
+    at_start: bool = _f(False, "Also evaluate before the first update.")
+
+
+@dataclass
+class LoggingConfig:
+    trackers: list[str] = _f(["tensorboard"], "accelerate trackers (tensorboard, wandb, ...); [] for none.")
+    progress_bar: bool = _f(True, "Show a progress bar on the main process.")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(0, "Checkpoint every N iterations (and at the end); 0 saves only at the end.")
+    keep: int = _f(3, "Keep the newest N checkpoints; 0 keeps all.")
+
+
+@dataclass
+class Config:
+    run_name: str = _f("run", "Run name; the default output_dir is outputs/<run_name>.")
+    output_dir: str | None = _f(None, "Run directory; null means outputs/<run_name>.")
+    seed: int = _f(0, "Master seed: every random draw derives from it and the step.")
+    model: ModelConfig = _f(ModelConfig(), "Model family and weights.")
+    sampling: SamplingConfig = _f(SamplingConfig(), "SDE/ODE step settings.")
+    rollout: RolloutConfig = _f(RolloutConfig(), "Rollout batch arithmetic.")
+    data: DataConfig = _f(DataConfig(), "Prompt files.")
+    rewards: list[RewardSpec] = _f([RewardSpec()], "Rewards combined by weight.")
+    advantage: AdvantageConfig = _f(AdvantageConfig(), "Advantage estimator.")
+    objective: ObjectiveConfig = _f(ObjectiveConfig(), "Policy objective.")
+    optim: OptimConfig = _f(OptimConfig(), "Optimizer.")
+    train: TrainConfig = _f(TrainConfig(), "Training loop.")
+    eval: EvalConfig = _f(EvalConfig(), "Held-out evaluation.")
+    logging: LoggingConfig = _f(LoggingConfig(), "Metrics and trackers.")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpointing.")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir or f"outputs/{self.run_name}")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _coerce(value, tp, where: str):
+    """Check ``value`` against annotation ``tp``; return the converted value or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not {_type_name(tp)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {type(value).__name__}")
+        return _build(tp, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" as a string; accept it as the float it obviously is.
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, raw: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            prefix = f"{where}." if where else ""
+            raise ConfigError(f"unknown key '{prefix}{key}'.{hint} Valid keys here: {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """Accept a path, or a bare name found in ``configs/`` (with or without ``.yaml``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for candidate in (CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config '{name_or_path}' not found as a path or in {CONFIG_DIR}. Shipped configs: {shipped}")
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one ``a.b.c=value`` override (value parsed as YAML) to a raw config mapping."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set '{assignment}': expected KEY=VALUE, e.g. train.max_steps=2")
+    key, value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
+    try:
+        cfg = _build(Config, raw, "")
+        validate(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    return cfg
+
+
+def load_config(name_or_path: str, overrides: list[str] | tuple = ()) -> Config:
+    """Load a YAML config (path or bare name), apply ``--set`` overrides, validate."""
+    path = resolve_config_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw, str(path))
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    checks = [
+        (cfg.rollout.group_size >= 2, "rollout.group_size must be >= 2 for group-relative advantages"),
+        (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
+        (cfg.rollout.batch_size >= 1, "rollout.batch_size must be >= 1"),
+        (cfg.sampling.num_steps >= 1, "sampling.num_steps must be >= 1"),
+        (0 < cfg.objective.timestep_fraction <= 1, "objective.timestep_fraction must be in (0, 1]"),
+        (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (cfg.train.gradient_accumulation >= 1, "train.gradient_accumulation must be >= 1"),
+        (cfg.train.max_steps >= 0, "train.max_steps must be >= 0"),
+        (0 <= cfg.train.ema_decay < 1, "train.ema_decay must be in [0, 1)"),
+        (len(cfg.rewards) >= 1, "rewards: at least one reward is required"),
+        (cfg.model.height % 16 == 0 and cfg.model.width % 16 == 0, "model.height and model.width must be multiples of 16"),
+        (len(cfg.optim.betas) == 2, "optim.betas must have two values"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    window = cfg.sampling.sde_window
+    if window is not None and not (len(window) == 2 and 0 <= window[0] < window[1] <= cfg.sampling.num_steps):
+        raise ConfigError(f"sampling.sde_window must be [start, end) within [0, {cfg.sampling.num_steps}], got {window}")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def describe(cls=Config, prefix: str = "") -> list[str]:
+    """One 'key: help' line per leaf field, for `train.py --help-config`."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += describe(hints[f.name], key + ".")
+        else:
+            lines.append(f"{key} ({_type_name(hints[f.name])}): {f.metadata.get('help', '')}")
+    return lines

@@ -1,0 +1,47 @@
+"""Model adapters by family name.
+
+Family modules are imported lazily so that ``import diffrl`` stays cheap and never
+touches diffusers' heavier pipeline code (or the network) until a run builds a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from diffrl.models.base import Conditioning, FlowAdapter, ModelLoadError
+
+# family name -> "module:Class"
+_FAMILIES = {
+    "flux": "diffrl.models.flux:FluxAdapter",
+    "sd3": "diffrl.models.sd3:SD3Adapter",
+    "sana": "diffrl.models.sana:SanaAdapter",
+    "wan": "diffrl.models.wan:WanAdapter",
+}
+
+
+def register(family: str, target: str) -> None:
+    """Register an adapter class as ``"package.module:ClassName"`` (imported on first use)."""
+    _FAMILIES[family] = target
+
+
+def available() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def adapter_class(family: str) -> type[FlowAdapter]:
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown model family '{family}'; valid families: {', '.join(available())}")
+    module, name = _FAMILIES[family].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_adapter(model_cfg) -> FlowAdapter:
+    """Build the adapter for ``model_cfg.family``: the tiny offline twin when
+    ``model_cfg.pretrained == "tiny"``, else the real pipeline from a hub id or local path."""
+    cls = adapter_class(model_cfg.family)
+    if model_cfg.pretrained == "tiny":
+        return cls.build_tiny(model_cfg)
+    return cls.from_pretrained(model_cfg)
+
+
+__all__ = ["Conditioning", "FlowAdapter", "ModelLoadError", "available", "adapter_class", "build_adapter", "register"]

@@ -1,0 +1,130 @@
+"""The model-adapter contract every family (flux, sd3, sana, wan, toy) implements.
+
+An adapter wraps a diffusers pipeline and exposes just what RL needs: prompt
+conditioning (cached), the latent shape, the sigma schedule, the velocity with CFG
+or guidance, and decoding. The SDE step itself lives in ``diffrl.sampling`` and is
+computed in fp32 outside the model, so no diffusers internals are patched.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Conditioning:
+    """Batch-first prompt embeddings (and negative embeddings when CFG is used).
+
+    ``tensors`` maps names (e.g. ``prompt_embeds``, ``pooled_prompt_embeds``,
+    ``negative_prompt_embeds``) to tensors whose first dim is the batch.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def select(self, index: torch.Tensor | list[int]) -> Conditioning:
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return Conditioning({k: v[idx.to(v.device)] for k, v in self.tensors.items()})
+
+    def to(self, device=None, dtype=None) -> Conditioning:
+        out = {}
+        for k, v in self.tensors.items():
+            out[k] = v.to(device=device, dtype=dtype if (dtype is not None and v.is_floating_point()) else None)
+        return Conditioning(out)
+
+    @staticmethod
+    def cat(items: list[Conditioning]) -> Conditioning:
+        keys = items[0].tensors.keys()
+        return Conditioning({k: torch.cat([c.tensors[k] for c in items]) for k in keys})
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+
+class ModelLoadError(RuntimeError):
+    """Weights could not be found or loaded; the message names the model and the fix."""
+
+
+class FlowAdapter(ABC):
+    """One model family over a diffusers pipeline.
+
+    Subclasses set ``family``, ``pipeline_class`` and ``default_lora_targets`` and
+    implement the abstract methods. Construct them through
+    ``diffrl.models.build_adapter(cfg.model)``.
+    """
+
+    family: str = ""
+    is_video: bool = False
+    default_lora_targets: tuple[str, ...] = ()
+
+    def __init__(self, pipe, model_cfg):
+        self.pipe = pipe
+        self.cfg = model_cfg
+        self._prompt_cache: dict[str, Conditioning] = {}
+
+    # -- components -------------------------------------------------------------------
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Every module that is never trained (VAE, text encoders)."""
+        names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+        return [m for n in names if (m := getattr(self.pipe, n, None)) is not None]
+
+    def to(self, device) -> FlowAdapter:
+        self.pipe.to(device)
+        self._prompt_cache = {k: v.to(device) for k, v in self._prompt_cache.items()}
+        return self
+
+    # -- prompts ------------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Embeddings for ``prompts``, batch-first; each distinct prompt is encoded once."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
+        if missing:
+            with torch.no_grad():
+                fresh = self._encode_uncached(missing)
+            for i, p in enumerate(missing):
+                self._prompt_cache[p] = fresh.select([i])
+        return Conditioning.cat([self._prompt_cache[p] for p in prompts])
+
+    @abstractmethod
+    def _encode_uncached(self, prompts: list[str]) -> Conditioning:
+        """Encode prompts with the pipeline's text encoders (and negatives if CFG is on)."""
+
+    # -- latents and schedule ----------------------------------------------------------
+    @abstractmethod
+    def latent_shape(self) -> tuple[int, ...]:
+        """Per-sample latent shape in the transformer's layout (e.g. packed for FLUX)."""
+
+    @abstractmethod
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """fp32 tensor of ``num_steps + 1`` sigmas from 1 (noise) down to 0, consistent with
+        the pipeline's scheduler config (shift, dynamic shift)."""
+
+    # -- model -------------------------------------------------------------------------
+    @abstractmethod
+    def velocity(self, transformer, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                 guidance: bool = True) -> torch.Tensor:
+        """Predicted velocity v = dx/dsigma-direction (flow matching: x_t = (1-s) x0 + s x1,
+        v = x1 - x0), in fp32 and the shape of ``latents``.
+
+        ``transformer`` is passed explicitly so the caller can use a DDP-wrapped policy,
+        a frozen reference copy or an exploration copy. ``sigma`` has shape (B,).
+        ``guidance=False`` skips CFG (cond branch only) for families that use CFG.
+        """
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1], (B, 3, H, W) fp32; video families return (B, F, 3, H, W)."""
+
+    # -- LoRA I/O ----------------------------------------------------------------------
+    def save_lora(self, directory, transformer_lora_state: dict) -> None:
+        """Write diffusers-format LoRA weights so ``pipe.load_lora_weights(directory)`` works."""
+        type(self.pipe).save_lora_weights(directory, transformer_lora_layers=transformer_lora_state)

@@ -1,0 +1,123 @@
+"""The trainable policy: LoRA (peft) or full fine-tuning of the adapter's transformer,
+its frozen reference for the KL, and an optional EMA of the trainable weights."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+
+
+class Policy:
+    """Owns what is trained. LoRA: the reference is the same transformer with adapters
+    disabled (no second copy). Full fine-tuning: the reference is a frozen deep copy."""
+
+    def __init__(self, adapter, model_cfg):
+        self.adapter = adapter
+        self.cfg = model_cfg
+        self.is_lora = not model_cfg.full_finetune
+        transformer = adapter.transformer
+        self.frozen_reference = None
+        if self.is_lora:
+            from peft import LoraConfig
+
+            targets = model_cfg.lora.target_modules or list(adapter.default_lora_targets)
+            transformer.add_adapter(LoraConfig(
+                r=model_cfg.lora.rank, lora_alpha=model_cfg.lora.alpha, lora_dropout=model_cfg.lora.dropout,
+                init_lora_weights="gaussian", target_modules=targets,
+            ))
+            for p in transformer.parameters():
+                if p.requires_grad:  # LoRA weights train in fp32 even when the base is bf16
+                    p.data = p.data.float()
+        else:
+            self.frozen_reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+            transformer.requires_grad_(True)
+        if model_cfg.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        transformer.eval()  # no dropout: replays must be exact
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.adapter.transformer
+
+    def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.trainable_named_parameters()]
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Yield the reference transformer (LoRA disabled, or the frozen copy)."""
+        if self.frozen_reference is not None:
+            yield self.frozen_reference
+            return
+        self.transformer.disable_adapters()
+        try:
+            yield self.transformer
+        finally:
+            self.transformer.enable_adapters()
+
+    # -- state ------------------------------------------------------------------------
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.trainable_named_parameters()}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.trainable_named_parameters())
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint weights do not match the policy (LoRA rank/targets or full_finetune "
+                             f"differ?): missing {missing[:3]}, unexpected {unexpected[:3]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(state[n])
+
+    def save_pretrained(self, directory: Path) -> None:
+        """diffusers-format weights: ``pipe.load_lora_weights(directory)`` for LoRA, or a
+        ``transformer/`` folder loadable with ``from_pretrained`` for full fine-tuning."""
+        directory = Path(directory)
+        if self.is_lora:
+            from diffusers.utils import convert_state_dict_to_diffusers
+            from peft.utils import get_peft_model_state_dict
+
+            state = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.transformer))
+            self.adapter.save_lora(directory, state)
+        else:
+            self.transformer.save_pretrained(directory / "transformer")
+
+
+class EMA:
+    """Exponential moving average of parameters (used for evaluation when enabled)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float):
+        self.params = params
+        self.decay = decay
+        self.shadow = [p.detach().clone().float() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach().float(), 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Temporarily load the EMA weights into the live parameters."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for s, p in zip(self.shadow, self.params):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, p in zip(backup, self.params):
+                    p.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "shadow": [s.cpu() for s in self.shadow]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shadow = [s.to(p.device).float() for s, p in zip(state["shadow"], self.params)]

@@ -1,0 +1,141 @@
+"""Independent group rollouts that return trajectories as data.
+
+"Trajectories are data" (DESIGN.md): the loss reads a :class:`Trajectory` and nothing
+else about how it was produced, so a tree sampler or a low-precision pool can produce
+the same structure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from diffrl.sampling import rng
+from diffrl.sampling.sde import step
+
+
+@dataclass
+class Trajectory:
+    """A batch of denoising paths (B samples, T steps).
+
+    ``latents[:, t]`` is x_t (t = 0 is the initial noise, t = T the final latent);
+    step t maps latents[:, t] -> latents[:, t + 1] at sigmas[t] -> sigmas[t + 1].
+    """
+
+    latents: torch.Tensor  # (B, T+1, *shape) fp32
+    means: torch.Tensor  # (B, T, *shape) fp32 transition means
+    log_probs: torch.Tensor  # (B, T) log-prob of each taken step under the rollout policy
+    stds: torch.Tensor  # (B, T) transition stds (0 for ODE steps)
+    std_ts: torch.Tensor  # (B, T) the step rule's noise scale (for the flow_grpo KL variant)
+    sigmas: torch.Tensor  # (T+1,) fp32
+    step_kinds: list[str]  # (T,) rule used at each step ("ode" outside the SDE window)
+    step_noise: torch.Tensor  # (B, T, *shape) the eps drawn per step (zeros for ODE steps)
+    keys: list[tuple]  # (B,) per-sample RNG keys: (seed, step, prompt_index, sample_index)
+    nfe: int = 0  # transformer evaluations spent (a CFG forward counts once per batch row)
+    images: torch.Tensor | None = None  # decoded x_T, [0, 1]
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return self.log_probs.shape[1]
+
+    def trainable_steps(self) -> list[int]:
+        """Steps with a stochastic transition (std > 0): only these have a policy ratio."""
+        return [t for t in range(self.num_steps) if self.step_kinds[t] != "ode" and bool((self.stds[:, t] > 0).all())]
+
+    def select(self, index) -> Trajectory:
+        idx = torch.as_tensor(index, dtype=torch.long)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("sigmas", "step_kinds", "nfe", "extras"):
+                out[f.name] = value
+            elif f.name == "keys":
+                out[f.name] = [value[i] for i in idx.tolist()]
+            elif isinstance(value, torch.Tensor):
+                out[f.name] = value[idx.to(value.device)]
+            else:
+                out[f.name] = value
+        return Trajectory(**out)
+
+    @staticmethod
+    def cat(parts: list[Trajectory]) -> Trajectory:
+        first = parts[0]
+        out = {}
+        for f in fields(first):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name in ("sigmas", "step_kinds", "extras"):
+                out[f.name] = values[0]
+            elif f.name == "nfe":
+                out[f.name] = sum(values)
+            elif f.name == "keys":
+                out[f.name] = [k for v in values for k in v]
+            elif values[0] is None:
+                out[f.name] = None
+            else:
+                out[f.name] = torch.cat(values)
+        return Trajectory(**out)
+
+
+def step_kinds(sampling_cfg, num_steps: int) -> list[str]:
+    """The step rule per step: the configured SDE inside ``sde_window`` and ODE outside."""
+    window = sampling_cfg.sde_window or [0, num_steps]
+    return [sampling_cfg.sde_type if window[0] <= t < window[1] else "ode" for t in range(num_steps)]
+
+
+def initial_noise(shape, keys) -> torch.Tensor:
+    return rng.randn_batch(shape, keys, "init")
+
+
+def step_noise(shape, keys, t: int) -> torch.Tensor:
+    return rng.randn_batch(shape, keys, "sde", t)
+
+
+@torch.no_grad()
+def denoise(adapter, transformer, cond, keys, sigmas, kinds, noise_level, reduction="mean") -> Trajectory:
+    """Run one batch of independent paths from their keyed initial noise to x_T."""
+    device = adapter.device
+    shape = adapter.latent_shape()
+    x = initial_noise(shape, keys).to(device)
+    b, n = len(keys), len(kinds)
+    sigma_1 = float(sigmas[1]) if len(sigmas) > 1 else None
+    latents, means, noises = [x], [], []
+    log_probs, stds, std_ts = (torch.zeros(b, n, device=device) for _ in range(3))
+    for t, kind in enumerate(kinds):
+        v = adapter.velocity(transformer, x, sigmas[t].expand(b).to(device), cond)
+        eps = torch.zeros_like(x) if kind == "ode" else step_noise(shape, keys, t).to(device)
+        res = step(kind, x, v, sigmas[t], sigmas[t + 1], noise_level, sigma_1=sigma_1, noise=eps,
+                   reduction=reduction)
+        x = res.next_latents
+        latents.append(x)
+        means.append(res.mean)
+        noises.append(eps)
+        log_probs[:, t], stds[:, t], std_ts[:, t] = res.log_prob, res.std, res.std_t
+    return Trajectory(
+        latents=torch.stack(latents, 1), means=torch.stack(means, 1), log_probs=log_probs, stds=stds,
+        std_ts=std_ts, sigmas=sigmas.cpu(), step_kinds=list(kinds), step_noise=torch.stack(noises, 1),
+        keys=list(keys), nfe=b * n,
+    )
+
+
+def rollout_independent(adapter, transformer, cond, keys, cfg, num_steps: int | None = None,
+                        kinds: list[str] | None = None) -> Trajectory:
+    """Independent rollouts for ``keys`` in chunks of ``cfg.rollout.batch_size``, decoded.
+
+    ``cond`` holds one row per key. Each path's noise depends only on its key, so the
+    result is the same whatever the chunking (tested).
+    """
+    n = num_steps or cfg.sampling.num_steps
+    sigmas = adapter.sigmas(n).float()
+    kinds = kinds or step_kinds(cfg.sampling, n)
+    parts = []
+    bs = cfg.rollout.batch_size
+    for start in range(0, len(keys), bs):
+        idx = list(range(start, min(start + bs, len(keys))))
+        traj = denoise(adapter, transformer, cond.select(idx), [keys[i] for i in idx], sigmas, kinds,
+                       cfg.sampling.noise_level, cfg.objective.logprob_reduction)
+        with torch.no_grad():
+            traj.images = adapter.decode(traj.latents[:, -1]).float()
+        parts.append(traj)
+    return Trajectory.cat(parts)

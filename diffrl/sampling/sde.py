@@ -1,0 +1,130 @@
+"""One reverse step of a flow-matching sampler, with the Gaussian log-prob of the step.
+
+Convention (diffusers flow matching): x_sigma = (1 - sigma) x0 + sigma x1, with sigma = 1
+pure noise, velocity v = x1 - x0, and dt = sigma_next - sigma < 0. Everything here runs
+in fp32. Four step rules:
+
+* ``sde`` — Flow-GRPO (Liu et al. 2025, Eq. 9-10). std_t = a sqrt(sigma / (1 - sigma)),
+  with 1 - sigma replaced by 1 - sigma_1 at sigma = 1;
+  mean = x + [v + std_t^2 / (2 sigma) (x + (1 - sigma) v)] dt; x' = mean + std_t sqrt(-dt) eps.
+* ``cps`` — coefficient-preserving sampling: std = sigma_next sin(a pi / 2);
+  mean = x0_hat (1 - sigma_next) + x1_hat sqrt(sigma_next^2 - std^2).
+* ``dance`` — DanceGRPO: constant eta, std = eta sqrt(-dt);
+  mean = x + dt (v - eta^2 / 2 * score), score = -(x - (1 - sigma) x0_hat) / sigma^2.
+* ``ode`` — Euler: x' = x + v dt (deterministic, not trainable).
+
+Log-prob reduction: the per-element Gaussian log-density is reduced over all non-batch
+dims by ``mean`` (default, as flow_grpo and DanceGRPO do: the ratio exp(dlogp) then does
+not scale with resolution, so one clip range works across model sizes) or by ``sum``
+(the true log-density of the transition). Steps whose std is 0 have log-prob 0 and are
+marked untrainable by the rollout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+STEP_KINDS = ("sde", "cps", "dance", "ode")
+
+
+@dataclass
+class StepResult:
+    next_latents: torch.Tensor  # x_{t+1}: sampled, or the given one when scoring
+    mean: torch.Tensor  # mean of the Gaussian transition (same shape as latents)
+    std: torch.Tensor  # (B,) std of the transition (std_t * sqrt(-dt) for sde)
+    std_t: torch.Tensor  # (B,) the step rule's own noise scale (flow_grpo's KL divides by it)
+    log_prob: torch.Tensor  # (B,) reduced Gaussian log-density of next_latents
+
+
+def _bcast(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return v.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def _as_batch(v, batch: int, device) -> torch.Tensor:
+    v = torch.as_tensor(v, dtype=torch.float32, device=device)
+    return v.expand(batch) if v.ndim == 0 else v.float()
+
+
+def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float,
+                  sigma_1: float | None = None):
+    """Mean (shape of x), transition std (B,) and rule std_t (B,) of one reverse step."""
+    x, v = x.float(), v.float()
+    b = x.shape[0]
+    s, s_next = _as_batch(sigma, b, x.device), _as_batch(sigma_next, b, x.device)
+    dt = s_next - s
+    sb, dtb = _bcast(s, x), _bcast(dt, x)
+    if kind == "ode":
+        zero = torch.zeros_like(s)
+        return x + v * dtb, zero, zero
+    if kind == "sde":
+        denom_sigma = torch.where(s >= 1.0, torch.full_like(s, sigma_1 if sigma_1 is not None else 0.0), s)
+        std_t = noise_level * torch.sqrt(s / (1.0 - denom_sigma))
+        stb = _bcast(std_t, x)
+        mean = x + (v + stb**2 / (2 * sb) * (x + (1 - sb) * v)) * dtb
+        return mean, std_t * torch.sqrt(-dt), std_t
+    if kind == "cps":
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        x0, x1 = x - sb * v, x + (1 - sb) * v
+        coef = torch.sqrt(torch.clamp(s_next**2 - std**2, min=0.0))
+        mean = x0 * _bcast(1 - s_next, x) + x1 * _bcast(coef, x)
+        return mean, std, std
+    if kind == "dance":
+        x0 = x - sb * v
+        score = -(x - (1 - sb) * x0) / sb**2
+        mean = x + dtb * (v - 0.5 * noise_level**2 * score)
+        return mean, noise_level * torch.sqrt(-dt), torch.full_like(s, noise_level)
+    raise ValueError(f"unknown step kind '{kind}'; valid: {', '.join(STEP_KINDS)}")
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduction: str = "mean"):
+    """Log N(x; mean, std^2) per element, reduced over non-batch dims. std (B,) > 0."""
+    stb = _bcast(std, x)
+    elem = -((x - mean) ** 2) / (2 * stb**2) - torch.log(stb) - 0.5 * math.log(2 * math.pi)
+    dims = tuple(range(1, x.ndim))
+    if reduction == "mean":
+        return elem.mean(dim=dims)
+    if reduction == "sum":
+        return elem.sum(dim=dims)
+    raise ValueError(f"logprob reduction must be 'mean' or 'sum', got '{reduction}'")
+
+
+def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float, *,
+         sigma_1: float | None = None, noise: torch.Tensor | None = None,
+         next_latents: torch.Tensor | None = None, reduction: str = "mean") -> StepResult:
+    """Take (``noise`` given) or score (``next_latents`` given) one reverse step.
+
+    Exactly one of ``noise`` / ``next_latents`` may be given; with neither, the step is
+    taken with zero noise (the mean). The returned log-prob is of ``next_latents``.
+    """
+    mean, std, std_t = step_mean_std(kind, x, v, sigma, sigma_next, noise_level, sigma_1)
+    if next_latents is None:
+        next_latents = mean if noise is None else mean + _bcast(std, mean) * noise.to(mean)
+    next_latents = next_latents.float()
+    safe = std > 0
+    if bool(safe.all()):
+        log_prob = gaussian_log_prob(next_latents.detach(), mean, std, reduction)
+    else:  # deterministic rows have no density; give them 0 so they drop out of ratios
+        log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
+        if bool(safe.any()):
+            log_prob = log_prob.index_put((safe,), gaussian_log_prob(
+                next_latents.detach()[safe], mean[safe], std[safe], reduction))
+    return StepResult(next_latents, mean, std, std_t, log_prob)
+
+
+def gaussian_kl(mean_p: torch.Tensor, mean_q: torch.Tensor, std: torch.Tensor, std_t: torch.Tensor,
+                kind: str = "exact", reduction: str = "mean") -> torch.Tensor:
+    """KL between two Gaussian transitions that share their std, per sample (B,).
+
+    ``exact``: ||mu_p - mu_q||^2 / (2 std^2) with std the transition std (std_t sqrt(-dt)
+    for the Flow-GRPO SDE). ``flow_grpo``: divides by 2 std_t^2 instead, as the
+    flow_grpo reference code does (smaller by a factor -dt). Reduced like the log-prob.
+    """
+    denom = std if kind == "exact" else std_t
+    if kind not in ("exact", "flow_grpo"):
+        raise ValueError(f"kl_type must be 'exact' or 'flow_grpo', got '{kind}'")
+    sq = (mean_p.float() - mean_q.float()) ** 2 / (2 * _bcast(denom, mean_p) ** 2)
+    dims = tuple(range(1, mean_p.ndim))
+    return sq.mean(dim=dims) if reduction == "mean" else sq.sum(dim=dims)

@@ -1,0 +1,164 @@
+"""The training loop. Each stage is a call into a package:
+
+    plan (data) -> rollout (sampling strategy) -> rewards -> advantages (algorithms)
+    -> update (objective) -> log / eval / checkpoint
+
+Runs under accelerate (CPU, one GPU, DDP, FSDP via accelerate's config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from tqdm.auto import tqdm
+
+from diffrl import checkpoint as ckpt
+from diffrl.algorithms import compute_advantages, get_objective
+from diffrl.config import Config, save_config
+from diffrl.data import load_prompts, plan_step
+from diffrl.evaluation import evaluate
+from diffrl.metrics import MetricsLogger
+from diffrl.models import build_adapter
+from diffrl.plan import derive, format_plan
+from diffrl.policy import EMA, Policy
+from diffrl.sampling import get_strategy
+from diffrl.update import UpdateCounters, Updater
+from rewards.combine import MultiReward
+
+
+def make_accelerator(cfg: Config) -> Accelerator:
+    project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs"))
+    trackers = cfg.logging.trackers or None
+    return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
+
+
+def make_lr_scheduler(optimizer, cfg: Config, total_steps: int):
+    warmup, kind = cfg.optim.warmup_steps, cfg.optim.scheduler
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, total_steps - warmup))
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if kind == "linear":
+            return 1.0 - progress
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, accelerator: Accelerator | None = None):
+        self.cfg = cfg
+        self.acc = accelerator or make_accelerator(cfg)
+        # fail fast on bad inputs before any model is built
+        self.train_prompts = load_prompts(cfg.data.train_prompts)
+        self.eval_prompts = load_prompts(cfg.data.eval_prompts) if cfg.eval.every or cfg.eval.at_start else []
+        self.reward_fn = MultiReward(cfg.rewards)
+        self.strategy = get_strategy(cfg.rollout.strategy)
+        self.objective = get_objective(cfg.objective.name)
+        self.numbers = derive(cfg, self.acc.num_processes)
+
+        self.adapter = build_adapter(cfg.model)
+        self.adapter.to(self.acc.device)
+        self.policy = Policy(self.adapter, cfg.model)
+        opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps)
+        sched = make_lr_scheduler(opt, cfg, int(self.numbers["optimizer_steps_total"]))
+        self.model, self.optimizer, self.scheduler = self.acc.prepare(self.adapter.transformer, opt, sched)
+        self.counters = UpdateCounters()
+        self.ema = EMA(self.policy.trainable_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        self.acc.register_for_checkpointing(self.counters)
+        if self.ema is not None:
+            self.acc.register_for_checkpointing(self.ema)
+        ckpt.install_accelerate_hooks(self.acc)
+        self.updater = Updater(self.acc, self.policy, self.adapter, self.model, self.optimizer, self.scheduler,
+                               self.objective, cfg, self.counters, self.ema)
+        self.step = 0
+
+    # -- stages ---------------------------------------------------------------------------
+    def rollout_and_score(self, step: int):
+        plan = plan_step(self.train_prompts, self.cfg.seed, step, self.cfg.rollout.prompts_per_step,
+                         self.cfg.rollout.group_size)
+        sl, local = plan.shard(self.acc.process_index, self.acc.num_processes)
+        cond = self.adapter.encode_prompts(local.prompts)
+        t0 = time.time()
+        with torch.no_grad(), self.acc.autocast():
+            traj = self.strategy(self.adapter, self.adapter.transformer, cond, local.keys, self.cfg)
+        t1 = time.time()
+        total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
+        timing = {"time/rollout": t1 - t0, "time/reward": time.time() - t1}
+        return plan, sl, cond, traj, total, comps, logs, timing
+
+    def advantages(self, plan, sl, total, comps):
+        """Gather rewards from every process and normalise over whole groups."""
+        dev = self.acc.device
+        all_total = self.acc.gather(total.to(dev)).cpu()
+        all_comps = self.acc.gather(comps.to(dev)).cpu()
+        adv = compute_advantages(all_total, plan.group_ids, self.cfg.advantage.estimator, self.cfg.advantage.eps,
+                                 self.cfg.advantage.filter_zero_std, all_comps, self.reward_fn.weights)
+        return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction
+
+    def train_step(self, step: int) -> dict:
+        plan, sl, cond, traj, total, comps, logs, timing = self.rollout_and_score(step)
+        all_total, adv, keep, filtered = self.advantages(plan, sl, total, comps)
+        metrics = {"reward/mean": all_total.mean(), "reward/std": all_total.std(unbiased=False),
+                   "advantage/filtered_fraction": filtered, "rollout/nfe": traj.nfe, **timing}
+        for name, values in logs.items():
+            metrics[f"reward/{name}/mean"] = self.acc.gather(values.to(self.acc.device)).mean()
+        if not bool(torch.isfinite(all_total).all()):
+            self.counters.skipped_nonfinite_reward += 1
+        else:
+            t0 = time.time()
+            metrics.update(self.updater.run(traj, cond, adv, keep, step))
+            metrics["time/update"] = time.time() - t0
+        metrics.update({"skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
+                        "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,
+                        "optimizer_steps": self.counters.optimizer_steps, "lr": self.scheduler.get_last_lr()[0]})
+        return metrics
+
+    def evaluate(self) -> dict:
+        ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            return evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn, self.eval_prompts, self.cfg)
+
+    # -- loop -----------------------------------------------------------------------------
+    def resume(self, spec: str) -> None:
+        path = ckpt.resolve_resume(spec, self.cfg.run_dir)
+        self.step = ckpt.load_checkpoint(self.acc, self.policy, path)
+        self.acc.print(f"resumed from {path} at step {self.step}")
+
+    def fit(self) -> list[dict]:
+        cfg = self.cfg
+        run_dir = cfg.run_dir
+        if self.acc.is_main_process:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
+        self.acc.init_trackers(cfg.run_name)
+        self.acc.print(format_plan(self.numbers))
+        logger = MetricsLogger(self.acc, run_dir, resume_step=self.step)
+        history = []
+        if cfg.eval.at_start and self.step == 0:
+            history.append(logger.log(0, self.evaluate()))
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (cfg.logging.progress_bar and self.acc.is_local_main_process),
+                   desc="train")
+        while self.step < cfg.train.max_steps:
+            metrics = self.train_step(self.step)
+            self.step += 1
+            last = self.step == cfg.train.max_steps
+            if cfg.eval.every and (self.step % cfg.eval.every == 0 or last):
+                metrics.update(self.evaluate())
+            history.append(logger.log(self.step, metrics))
+            bar.update(1)
+            bar.set_postfix(reward=f"{float(metrics['reward/mean']):.4g}", loss=f"{metrics.get('loss', float('nan')):.3g}")
+            if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                ckpt.save_checkpoint(self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep)
+        bar.close()
+        self.acc.end_training()
+        return history

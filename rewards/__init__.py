@@ -1,0 +1,47 @@
+"""Reward models behind one signature and a registry by name.
+
+A reward is a callable ``reward(images, prompts, metadata) -> dict[str, Tensor]``
+(ddpo-pytorch's convention): ``images`` is a float tensor in [0, 1] shaped (B, 3, H, W)
+or (B, F, 3, H, W) for video, or a list of PIL images; the dict maps score names to (B,)
+tensors, and the entry under the reward's own name is the one that is optimised.
+
+Registration is by factory, so nothing is loaded at import time:
+``rewards.build("jpeg_compressibility")`` constructs the reward when a run asks for it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+
+# name -> "module:factory"; factories take the config's ``args`` as keyword arguments
+_REGISTRY: dict[str, str] = {
+    "jpeg_compressibility": "rewards.jpeg:JpegCompressibility",
+    "jpeg_incompressibility": "rewards.jpeg:JpegIncompressibility",
+}
+
+
+class UnknownRewardError(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return self.args[0]
+
+
+def register(name: str, target: str) -> None:
+    """Register ``"package.module:Factory"`` under ``name`` (imported on first build)."""
+    _REGISTRY[name] = target
+
+
+def available() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build(name: str, **kwargs):
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, available(), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise UnknownRewardError(f"unknown reward '{name}'.{hint} Valid rewards: {', '.join(available())}")
+    module, attr = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), attr)(**kwargs)
+
+
+__all__ = ["UnknownRewardError", "available", "build", "register"]

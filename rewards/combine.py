@@ -1,0 +1,33 @@
+"""Weighted multi-reward scoring; each component is kept for logging and GDPO."""
+
+from __future__ import annotations
+
+import torch
+
+import rewards
+
+
+class MultiReward:
+    """Build each configured reward once and combine them: total = sum_k w_k r_k."""
+
+    def __init__(self, specs):
+        self.names = [s.name for s in specs]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"rewards: each reward may appear once, got {self.names}")
+        self.weights = torch.tensor([float(s.weight) for s in specs])
+        self.models = [rewards.build(s.name, **dict(s.args)) for s in specs]
+
+    def __call__(self, images, prompts, metadata=None):
+        """Returns (total (B,), components (B, K), logs {name: (B,)} with every score)."""
+        logs: dict[str, torch.Tensor] = {}
+        columns = []
+        for name, model in zip(self.names, self.models):
+            out = model(images, prompts, metadata or {})
+            if name not in out:
+                raise KeyError(f"reward '{name}' returned keys {sorted(out)}; it must include '{name}'")
+            for key, value in out.items():
+                logs[key] = value.detach().float().cpu()
+            columns.append(logs[name])
+        components = torch.stack(columns, dim=1)
+        total = (components * self.weights).sum(dim=1)
+        return total, components, logs

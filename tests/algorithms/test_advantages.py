@@ -1,0 +1,69 @@
+"""Advantage estimators against values computed by hand."""
+
+import pytest
+import torch
+
+from diffrl.algorithms.advantages import compute_advantages
+
+EPS = 0.0  # exact arithmetic in the hand computations
+
+
+def test_group_mean_std_by_hand():
+    r = torch.tensor([1.0, 3.0, 10.0, 20.0])
+    g = torch.tensor([0, 0, 1, 1])
+    # group 0: mean 2, pop std 1 -> [-1, 1]; group 1: mean 15, std 5 -> [-1, 1]
+    out = compute_advantages(r, g, "group", eps=EPS)
+    torch.testing.assert_close(out.values, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    assert out.keep.all() and out.filtered_fraction == 0.0
+
+
+def test_global_std_by_hand():
+    r = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    g = torch.tensor([0, 0, 1, 1])
+    std = torch.tensor([1.0, 3.0, 5.0, 7.0]).std(unbiased=False)  # sqrt(5)
+    out = compute_advantages(r, g, "global_std", eps=EPS)
+    torch.testing.assert_close(out.values, torch.tensor([-1.0, 1.0, -1.0, 1.0]) / std)
+
+
+def test_median_centred_with_pivot_excluded():
+    r = torch.tensor([0.0, 1.0, 5.0])  # odd group: median 1 is the pivot
+    out = compute_advantages(r, torch.zeros(3, dtype=torch.long), "median", eps=EPS)
+    std = r.std(unbiased=False)
+    torch.testing.assert_close(out.values, torch.tensor([-1.0, 0.0, 4.0]) / std)
+    assert out.keep.tolist() == [True, False, True]
+
+
+def test_median_even_group_uses_middle_mean_and_keeps_all():
+    r = torch.tensor([0.0, 1.0, 3.0, 10.0])  # median (1 + 3) / 2 = 2
+    out = compute_advantages(r, torch.zeros(4, dtype=torch.long), "median", eps=EPS)
+    torch.testing.assert_close(out.values, (r - 2.0) / r.std(unbiased=False))
+    assert out.keep.all()
+
+
+def test_decoupled_gdpo_by_hand():
+    # two rewards, one group of 2 and one of 2
+    comps = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
+    w = torch.tensor([1.0, 0.5])
+    g = torch.tensor([0, 0, 1, 1])
+    # per-reward group norm: reward0 -> [-1,1, 0,0] (group 1 has zero var -> 0), reward1 -> [0,0,-1,1]
+    summed = torch.tensor([-1.0, 1.0, -0.5, 0.5])
+    expected = (summed - summed.mean()) / summed.std(unbiased=False)
+    total = (comps * w).sum(1)
+    out = compute_advantages(total, g, "decoupled", eps=EPS, components=comps, weights=w)
+    torch.testing.assert_close(out.values, expected)
+
+
+def test_zero_variance_groups_filtered_and_counted():
+    r = torch.tensor([2.0, 2.0, 1.0, 3.0])
+    g = torch.tensor([0, 0, 1, 1])
+    out = compute_advantages(r, g, "group", eps=1e-4, filter_zero_std=True)
+    assert out.keep.tolist() == [False, False, True, True]
+    assert out.filtered_fraction == pytest.approx(0.5)
+    assert out.values[:2].abs().sum() == 0
+    kept = compute_advantages(r, g, "group", eps=1e-4, filter_zero_std=False)
+    assert kept.keep.all() and kept.filtered_fraction == pytest.approx(0.5)
+
+
+def test_unknown_estimator_lists_valid():
+    with pytest.raises(ValueError, match="group, global_std, median, decoupled"):
+        compute_advantages(torch.ones(2), torch.zeros(2), "mean")

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may touch the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+FAMILIES = ["flux", "sd3", "sana", "wan"]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """Load a tiny family config with a temporary output_dir and quick settings."""
+    from diffrl.config import load_config
+
+    def make(family="flux", *overrides):
+        return load_config(f"tiny_{family}_flowgrpo", [f"output_dir={tmp_path / family}", "train.max_steps=2",
+                                                       "eval.every=0", "checkpoint.every=0",
+                                                       "logging.progress_bar=false", *overrides])
+
+    return make
