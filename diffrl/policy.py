@@ -9,12 +9,14 @@ from pathlib import Path
 
 import torch
 
+from diffrl.sampling import rng
+
 
 class Policy:
     """Owns what is trained. LoRA: the reference is the same transformer with adapters
     disabled (no second copy). Full fine-tuning: the reference is a frozen deep copy."""
 
-    def __init__(self, adapter, model_cfg):
+    def __init__(self, adapter, model_cfg, seed: int = 0):
         self.adapter = adapter
         self.cfg = model_cfg
         self.is_lora = not model_cfg.full_finetune
@@ -24,10 +26,14 @@ class Policy:
             from peft import LoraConfig
 
             targets = model_cfg.lora.target_modules or list(adapter.default_lora_targets)
-            transformer.add_adapter(LoraConfig(
-                r=model_cfg.lora.rank, lora_alpha=model_cfg.lora.alpha, lora_dropout=model_cfg.lora.dropout,
-                init_lora_weights="gaussian", target_modules=targets,
-            ))
+            # LoRA A is randomly initialised: seed it, so two runs of one config start identically
+            devices = [transformer.device] if transformer.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(rng.derive_seed(seed, "lora_init"))
+                transformer.add_adapter(LoraConfig(
+                    r=model_cfg.lora.rank, lora_alpha=model_cfg.lora.alpha, lora_dropout=model_cfg.lora.dropout,
+                    init_lora_weights="gaussian", target_modules=targets,
+                ))
             for p in transformer.parameters():
                 if p.requires_grad:  # LoRA weights train in fp32 even when the base is bf16
                     p.data = p.data.float()

@@ -1,0 +1,355 @@
+"""Tiny-twin tests for the four diffusers adapters (flux, sd3, sana, wan), all offline on CPU.
+
+Besides shapes and caching, these pin the conventions that are easy to get wrong: the
+sigma schedules against closed-form references, the velocity against one step of the
+real diffusers pipeline, CFG, batch-size invariance, and a LoRA save/load round trip.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from diffrl.config import ModelConfig
+from diffrl.models import ModelLoadError, adapter_class, build_adapter
+from diffrl.models.base import Conditioning, FlowAdapter
+from diffrl.models.loading import torch_dtype
+
+FAMILIES = ["flux", "sd3", "sana", "wan"]
+CFG_FAMILIES = ["sd3", "sana", "wan"]
+PROMPTS = ["a photo of a cat", "a red dog", "two birds in the sky", "an old house near the sea"]
+
+
+def make_cfg(family: str, **overrides) -> ModelConfig:
+    kw = dict(
+        family=family,
+        pretrained="tiny",
+        height=32,
+        width=32,
+        num_frames=5,
+        guidance_scale=3.5 if family == "flux" else 4.0,
+        max_sequence_length=16,
+    )
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def make(family: str, **overrides):
+    return build_adapter(make_cfg(family, **overrides))
+
+
+def noise(adapter, batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, *adapter.latent_shape(), generator=torch.Generator().manual_seed(seed))
+
+
+def expected_classes(family):
+    import diffusers as d
+    import transformers as t
+
+    return {
+        "flux": dict(transformer=d.FluxTransformer2DModel, vae=d.AutoencoderKL, text_encoder=t.CLIPTextModel,
+                     text_encoder_2=t.T5EncoderModel, tokenizer=t.CLIPTokenizer, tokenizer_2=t.T5TokenizerFast,
+                     scheduler=d.FlowMatchEulerDiscreteScheduler),
+        "sd3": dict(transformer=d.SD3Transformer2DModel, vae=d.AutoencoderKL,
+                    text_encoder=t.CLIPTextModelWithProjection, text_encoder_2=t.CLIPTextModelWithProjection,
+                    text_encoder_3=t.T5EncoderModel, tokenizer=t.CLIPTokenizer, tokenizer_3=t.T5TokenizerFast,
+                    scheduler=d.FlowMatchEulerDiscreteScheduler),
+        "sana": dict(transformer=d.SanaTransformer2DModel, vae=d.AutoencoderDC, text_encoder=t.Gemma2Model,
+                     tokenizer=t.GemmaTokenizerFast, scheduler=d.DPMSolverMultistepScheduler),
+        "wan": dict(transformer=d.WanTransformer3DModel, vae=d.AutoencoderKLWan, text_encoder=t.UMT5EncoderModel,
+                    tokenizer=t.T5TokenizerFast, scheduler=d.UniPCMultistepScheduler),
+    }[family]
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_build_tiny_offline_with_real_classes(family):
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    rng_before = torch.get_rng_state()
+    adapter = make(family)
+    assert torch.equal(torch.get_rng_state(), rng_before), "tiny init must not consume the global RNG"
+    assert isinstance(adapter, FlowAdapter) and adapter.family == family
+    assert adapter.is_video == (family == "wan")
+    assert isinstance(adapter.pipe, adapter_class(family).pipeline_class)
+    for name, cls in expected_classes(family).items():
+        assert isinstance(getattr(adapter.pipe, name), cls), name
+    modules = [m for m in adapter.pipe.components.values() if isinstance(m, torch.nn.Module)]
+    for module in modules:
+        assert not module.training
+        assert all(not p.requires_grad and p.device.type == "cpu" for p in module.parameters())
+    assert set(adapter.frozen_modules()) <= set(modules)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_twin_is_reproducible_from_seed(family):
+    a, b, c = make(family), make(family), make(family, tiny_seed=1)
+    for name, module in a.pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            other = getattr(b.pipe, name).state_dict()
+            assert all(torch.equal(v, other[k]) for k, v in module.state_dict().items()), name
+    diff = [not torch.equal(p, q) for p, q in zip(a.transformer.parameters(), c.transformer.parameters())]
+    assert any(diff)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_targets_exist_in_transformer(family):
+    adapter = make(family)
+    names = [n for n, _ in adapter.transformer.named_modules()]
+    for target in adapter.default_lora_targets:
+        assert any(n == target or n.endswith("." + target) for n in names), target
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_encode_prompts_batch_first_and_cached(family):
+    adapter = make(family)
+    calls = []
+    original = adapter._encode_uncached
+
+    def counting(prompts):
+        calls.append(list(prompts))
+        return original(prompts)
+
+    adapter._encode_uncached = counting
+    cond = adapter.encode_prompts(["a cat", "a dog", "a cat"])
+    assert calls == [["a cat", "a dog"]]
+    assert len(cond) == 3
+    for key, value in cond.tensors.items():
+        assert value.shape[0] == 3, key
+        assert torch.equal(value[0], value[2]), key
+    expect_neg = family in CFG_FAMILIES
+    assert any(k.startswith("negative_") for k in cond.tensors) == expect_neg
+    assert cond.tensors["prompt_embeds"].shape[1] >= adapter.cfg.max_sequence_length
+
+    again = adapter.encode_prompts(["a dog", "a bird"])
+    assert calls == [["a cat", "a dog"], ["a bird"]]
+    for key in cond.tensors:
+        assert torch.equal(again.tensors[key][0], cond.tensors[key][1]), key
+
+
+# ----------------------------------------------------------------------------- latents and decode
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_latent_shape_and_decode_range(family):
+    adapter = make(family)
+    expected = {"flux": (64, 16), "sd3": (4, 16, 16), "sana": (4, 16, 16), "wan": (16, 2, 4, 4)}[family]
+    assert adapter.latent_shape() == expected
+    images = adapter.decode(noise(adapter, 2))
+    shape = (2, 5, 3, 32, 32) if family == "wan" else (2, 3, 32, 32)
+    assert images.shape == shape and images.dtype == torch.float32
+    assert torch.isfinite(images).all() and images.min() >= 0 and images.max() <= 1
+
+
+# ----------------------------------------------------------------------------- sigmas
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 10])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sigmas_shape_endpoints_monotone(family, num_steps):
+    sig = make(family).sigmas(num_steps)
+    assert sig.dtype == torch.float32 and sig.shape == (num_steps + 1,)
+    assert sig[0].item() == 1.0 and sig[-1].item() == 0.0
+    assert (sig[1:] < sig[:-1]).all()
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_flux_sigmas_match_dynamic_shift_formula(size):
+    """sigma = e^mu / (e^mu + 1/s - 1), mu linear in the packed image sequence length."""
+    adapter = make("flux", height=size, width=size)
+    conf = adapter.pipe.scheduler.config
+    seq_len = (size // adapter.pipe.vae_scale_factor // 2) ** 2
+    slope = (conf.max_shift - conf.base_shift) / (conf.max_image_seq_len - conf.base_image_seq_len)
+    mu = conf.base_shift + slope * (seq_len - conf.base_image_seq_len)
+    n = 8
+    s = np.linspace(1.0, 1.0 / n, n)
+    ref = np.append(math.exp(mu) / (math.exp(mu) + (1 / s - 1)), 0.0)
+    np.testing.assert_allclose(adapter.sigmas(n).numpy(), ref, atol=1e-6)
+
+
+def test_flux_sigmas_depend_on_resolution():
+    assert not torch.allclose(make("flux", height=32, width=32).sigmas(6), make("flux", height=64, width=64).sigmas(6))
+
+
+def test_sd3_sigmas_match_shift_formula_on_diffusers_grid():
+    """diffusers' grid is linspace(1, sigma_min, N) with sigma_min the *shifted* 1/T, then shifted."""
+    adapter = make("sd3")
+    shift, steps = adapter.pipe.scheduler.config.shift, adapter.pipe.scheduler.config.num_train_timesteps
+
+    def shifted(s):
+        return shift * s / (1 + (shift - 1) * s)
+
+    n = 8
+    ref = np.append(shifted(np.linspace(1.0, shifted(1.0 / steps), n)), 0.0)
+    np.testing.assert_allclose(adapter.sigmas(n).numpy(), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["sana", "wan"])
+def test_flow_shift_sigmas(family):
+    adapter = make(family)
+    shift, n = adapter.pipe.scheduler.config.flow_shift, 8
+    s = np.linspace(1.0, 1.0 / n, n)
+    ref = np.append(shift * s / (1 + (shift - 1) * s), 0.0)
+    np.testing.assert_allclose(adapter.sigmas(n).numpy(), ref, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- velocity
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_velocity_batch_invariance(family):
+    adapter = make(family)
+    cond = adapter.encode_prompts(PROMPTS)
+    x = noise(adapter, 4)
+    sigma = torch.tensor([1.0, 0.8, 0.5, 0.1])
+    v4 = adapter.velocity(adapter.transformer, x, sigma, cond, guidance=True)
+    assert v4.shape == x.shape and v4.dtype == torch.float32 and torch.isfinite(v4).all()
+    for i in range(4):
+        v1 = adapter.velocity(adapter.transformer, x[i : i + 1], sigma[i : i + 1], cond.select([i]))
+        torch.testing.assert_close(v1, v4[i : i + 1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", CFG_FAMILIES)
+def test_cfg_combines_uncond_and_cond(family):
+    adapter = make(family)
+    cond = adapter.encode_prompts(PROMPTS[:2])
+    x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.3])
+    uncond = Conditioning({k: cond.tensors[f"negative_{k}"] for k in adapter.cond_keys})
+    v_c = adapter.velocity(adapter.transformer, x, sigma, cond, guidance=False)
+    v_u = adapter.velocity(adapter.transformer, x, sigma, uncond, guidance=False)
+    v = adapter.velocity(adapter.transformer, x, sigma, cond, guidance=True)
+    s = adapter.cfg.guidance_scale
+    torch.testing.assert_close(v, v_u + s * (v_c - v_u), atol=1e-5, rtol=1e-5)
+    assert (v - v_c).abs().max() > 1e-3
+
+
+def test_flux_guidance_is_an_embedding_not_cfg():
+    adapter = make("flux")
+    cond = adapter.encode_prompts(PROMPTS[:2])
+    x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.3])
+    v = adapter.velocity(adapter.transformer, x, sigma, cond, guidance=True)
+    torch.testing.assert_close(adapter.velocity(adapter.transformer, x, sigma, cond, guidance=False), v)
+    adapter.cfg.guidance_scale = 1.0
+    assert (adapter.velocity(adapter.transformer, x, sigma, cond) - v).abs().max() > 1e-4
+
+
+def _one_pipeline_step(adapter, cond, x):
+    """Run the real pipeline for one step from ``x``; return (output, sigma used, timestep/1000).
+
+    FlowMatchEuler (flux, sd3) steps x - sigma * v from sigma=1. DPM-Solver++ and UniPC
+    with flow sigmas reach 0 in one first-order step too, x0 = x - sigma * v, but feed the
+    transformer the integer-rounded timestep."""
+    t, f, h = cond.tensors, adapter.family, adapter.cfg.height
+    common = dict(latents=x, num_inference_steps=1, guidance_scale=adapter.cfg.guidance_scale, height=h, width=h,
+                  output_type="latent", prompt_embeds=t["prompt_embeds"])
+    if f in ("flux", "sd3"):
+        extra = {k: v for k, v in t.items() if k != "prompt_embeds"}
+        return adapter.pipe(**common, **extra).images, 1.0, 1.0
+    scheduler = type(adapter.pipe.scheduler).from_config(adapter.pipe.scheduler.config)
+    scheduler.set_timesteps(1)
+    sig, tstep = float(scheduler.sigmas[0]), float(scheduler.timesteps[0]) / 1000
+    if f == "sana":
+        out = adapter.pipe(**common, negative_prompt=None, prompt_attention_mask=t["prompt_attention_mask"],
+                           negative_prompt_embeds=t["negative_prompt_embeds"],
+                           negative_prompt_attention_mask=t["negative_prompt_attention_mask"],
+                           use_resolution_binning=False).images
+    else:
+        out = adapter.pipe(**common, negative_prompt_embeds=t["negative_prompt_embeds"],
+                           num_frames=adapter.cfg.num_frames).frames
+    return out, sig, tstep
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_velocity_matches_one_step_of_the_real_pipeline(family):
+    """Timestep scaling, guidance and latent layout agree with diffusers' own sampler."""
+    adapter = make(family)
+    cond = adapter.encode_prompts(PROMPTS[:2])
+    x = noise(adapter, 2, seed=3)
+    out, sig, tstep = _one_pipeline_step(adapter, cond, x)
+    v = adapter.velocity(adapter.transformer, x, torch.full((2,), tstep), cond)
+    torch.testing.assert_close(out.float(), x - sig * v, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_weights_give_fp32_velocity(family):
+    adapter = make(family, dtype="bfloat16")
+    assert adapter.transformer.dtype == torch.bfloat16
+    cond = adapter.encode_prompts(PROMPTS[:2])
+    v = adapter.velocity(adapter.transformer, noise(adapter, 2), torch.tensor([0.7, 0.2]), cond)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
+# ----------------------------------------------------------------------------- loading errors
+
+
+def test_torch_dtype_names():
+    assert torch_dtype("bfloat16") is torch.bfloat16 and torch_dtype("float32") is torch.float32
+    with pytest.raises(ValueError, match="float16"):
+        torch_dtype("fp8")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_missing_local_path(family, tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(ModelLoadError) as err:
+        build_adapter(make_cfg(family, pretrained=str(missing)))
+    assert str(missing) in str(err.value) and "local" in str(err.value)
+    assert "model.pretrained" in str(err.value)
+
+    (tmp_path / "not_a_pipeline").mkdir()
+    with pytest.raises(ModelLoadError, match="model_index.json"):
+        build_adapter(make_cfg(family, pretrained=str(tmp_path / "not_a_pipeline")))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_fake_hub_id_offline(family):
+    name = "diffrl-tests/no-such-model"
+    with pytest.raises(ModelLoadError) as err:
+        build_adapter(make_cfg(family, pretrained=name))
+    message = str(err.value)
+    assert name in message and "local" in message and "huggingface-cli download" in message
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_round_trip_through_load_lora_weights(family, tmp_path):
+    """Trained LoRA -> adapter.save_lora -> fresh pipeline.load_lora_weights gives the same velocity.
+
+    alpha != rank on purpose: diffusers reloads with alpha == rank unless the LoraConfig
+    is saved as metadata."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    adapter = make(family)
+    cond = adapter.encode_prompts(PROMPTS[:2])
+    x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.4])
+    base = adapter.velocity(adapter.transformer, x, sigma, cond)
+
+    adapter.transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=8, target_modules=list(adapter.default_lora_targets), init_lora_weights="gaussian")
+    )
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    tuned = adapter.velocity(adapter.transformer, x, sigma, cond)
+    assert (tuned - base).abs().max() > 1e-3
+
+    state = convert_state_dict_to_diffusers(get_peft_model_state_dict(adapter.transformer))
+    adapter.save_lora(tmp_path, state)
+    fresh = make(family)
+    fresh.pipe.load_lora_weights(tmp_path)
+    reloaded = fresh.velocity(fresh.transformer, x, sigma, fresh.encode_prompts(PROMPTS[:2]))
+    torch.testing.assert_close(reloaded, tuned, atol=1e-5, rtol=1e-5)
