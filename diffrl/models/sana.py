@@ -7,8 +7,9 @@ Schedule: SanaPipeline samples with DPM-Solver++ over *flow* sigmas
 (``use_flow_sigmas=True``, ``flow_shift``). Our SDE/ODE steps are Euler-type steps on
 the same flow, so we use that flow's sigmas directly on a uniform grid,
 ``sigma_i = shift * s / (1 + (shift - 1) * s)`` with ``s = linspace(1, 1/N, N)`` and 0
-appended. This differs from DPM-Solver's own grid only in starting exactly at sigma=1
-(pure noise) rather than at 1 - 1/1000.
+appended. DPM-Solver's own grid is the same up to a factor 1 - 1/1000 on ``s`` (it starts
+just below pure noise) and it feeds the transformer integer-rounded timesteps; ours
+starts at exactly sigma = 1 and keeps the timestep continuous (``sigma * 1000``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,49 @@ from diffrl.models.loading import (
 )
 
 
+def _tiny_gemma2(tok):
+    """One-layer Gemma-2 text encoder sized to the tiny tokenizer."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    return Gemma2Model(
+        Gemma2Config(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=2048,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    )
+
+
+def _tiny_dc_ae():
+    """Two-stage DC-AE (ResBlock + EfficientViT linear attention), spatial factor 2."""
+    return AutoencoderDC(
+        in_channels=3,
+        latent_channels=4,
+        attention_head_dim=2,
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        encoder_qkv_multiscales=((), (5,)),
+        decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        downsample_block_type="conv",
+        upsample_block_type="interpolate",
+        decoder_norm_types="rms_norm",
+        decoder_act_fns="silu",
+        scaling_factor=0.41407,  # real SANA DC-AE f32c32
+    )
+
+
 class SanaAdapter(PipelineAdapter):
     """SANA: Gemma-2 embeddings + mask, AutoencoderDC latents, CFG with empty-prompt negatives."""
 
@@ -37,7 +81,7 @@ class SanaAdapter(PipelineAdapter):
     pipeline_class = SanaPipeline
     cond_keys = ("prompt_embeds", "prompt_attention_mask")
     # Self (linear) and cross attention projections, plus the 1x1 convolutions of the
-    # GLUMBConv feed-forward (the depthwise conv is left alone: peft cannot split groups).
+    # GLUMBConv feed-forward (its small depthwise 3x3 conv stays frozen).
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "ff.conv_inverted", "ff.conv_point")
     # SanaPipeline.__call__ prepends its "complex human instruction" to every prompt by
     # default; SANA was trained that way, so the adapter does the same.
@@ -49,41 +93,8 @@ class SanaAdapter(PipelineAdapter):
         """Same classes as SANA at toy size: 2 blocks, 2-block DC-AE (factor 2), 1-layer Gemma-2."""
         tok = tiny.gemma_tokenizer()
         with tiny.seeded(model_cfg.tiny_seed):
-            from transformers import Gemma2Config, Gemma2Model
-
-            text_encoder = Gemma2Model(
-                Gemma2Config(
-                    vocab_size=len(tok),
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=1,
-                    num_attention_heads=2,
-                    num_key_value_heads=1,
-                    head_dim=16,
-                    max_position_embeddings=2048,
-                    pad_token_id=tok.pad_token_id,
-                    bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id,
-                )
-            )
-            vae = AutoencoderDC(
-                in_channels=3,
-                latent_channels=4,
-                attention_head_dim=2,
-                encoder_block_types=("ResBlock", "EfficientViTBlock"),
-                decoder_block_types=("ResBlock", "EfficientViTBlock"),
-                encoder_block_out_channels=(8, 8),
-                decoder_block_out_channels=(8, 8),
-                encoder_qkv_multiscales=((), (5,)),
-                decoder_qkv_multiscales=((), (5,)),
-                encoder_layers_per_block=(1, 1),
-                decoder_layers_per_block=(1, 1),
-                downsample_block_type="conv",
-                upsample_block_type="interpolate",
-                decoder_norm_types="rms_norm",
-                decoder_act_fns="silu",
-                scaling_factor=0.41407,  # real SANA DC-AE f32c32
-            )
+            text_encoder = _tiny_gemma2(tok)
+            vae = _tiny_dc_ae()
             transformer = SanaTransformer2DModel(
                 in_channels=4,
                 out_channels=4,
@@ -97,8 +108,12 @@ class SanaAdapter(PipelineAdapter):
                 sample_size=16,
                 patch_size=1,
             )
-        scheduler = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-        pipe = SanaPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler)
+        scheduler = DPMSolverMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        )
+        pipe = SanaPipeline(
+            tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+        )
         return cls(finalize_pipeline(pipe, model_cfg), model_cfg)
 
     # -- prompts ------------------------------------------------------------------------
@@ -118,7 +133,12 @@ class SanaAdapter(PipelineAdapter):
             max_sequence_length=self.cfg.max_sequence_length,
             complex_human_instruction=self._instruction(),
         )
-        names = ("prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask")
+        names = (
+            "prompt_embeds",
+            "prompt_attention_mask",
+            "negative_prompt_embeds",
+            "negative_prompt_attention_mask",
+        )
         return self._encoded(names, (embeds, mask, neg_embeds, neg_mask))
 
     # -- latents and schedule -----------------------------------------------------------

@@ -46,23 +46,27 @@ def noise(adapter, batch: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, *adapter.latent_shape(), generator=torch.Generator().manual_seed(seed))
 
 
-def expected_classes(family):
-    import diffusers as d
-    import transformers as t
+# component -> class name (looked up in diffusers, then transformers): the real pipeline classes
+EXPECTED_CLASSES = {
+    "flux": "transformer=FluxTransformer2DModel vae=AutoencoderKL text_encoder=CLIPTextModel "
+    "text_encoder_2=T5EncoderModel tokenizer=CLIPTokenizer tokenizer_2=T5TokenizerFast "
+    "scheduler=FlowMatchEulerDiscreteScheduler",
+    "sd3": "transformer=SD3Transformer2DModel vae=AutoencoderKL text_encoder=CLIPTextModelWithProjection "
+    "text_encoder_2=CLIPTextModelWithProjection text_encoder_3=T5EncoderModel tokenizer=CLIPTokenizer "
+    "tokenizer_3=T5TokenizerFast scheduler=FlowMatchEulerDiscreteScheduler",
+    "sana": "transformer=SanaTransformer2DModel vae=AutoencoderDC text_encoder=Gemma2Model "
+    "tokenizer=GemmaTokenizerFast scheduler=DPMSolverMultistepScheduler",
+    "wan": "transformer=WanTransformer3DModel vae=AutoencoderKLWan text_encoder=UMT5EncoderModel "
+    "tokenizer=T5TokenizerFast scheduler=UniPCMultistepScheduler",
+}
 
-    return {
-        "flux": dict(transformer=d.FluxTransformer2DModel, vae=d.AutoencoderKL, text_encoder=t.CLIPTextModel,
-                     text_encoder_2=t.T5EncoderModel, tokenizer=t.CLIPTokenizer, tokenizer_2=t.T5TokenizerFast,
-                     scheduler=d.FlowMatchEulerDiscreteScheduler),
-        "sd3": dict(transformer=d.SD3Transformer2DModel, vae=d.AutoencoderKL,
-                    text_encoder=t.CLIPTextModelWithProjection, text_encoder_2=t.CLIPTextModelWithProjection,
-                    text_encoder_3=t.T5EncoderModel, tokenizer=t.CLIPTokenizer, tokenizer_3=t.T5TokenizerFast,
-                    scheduler=d.FlowMatchEulerDiscreteScheduler),
-        "sana": dict(transformer=d.SanaTransformer2DModel, vae=d.AutoencoderDC, text_encoder=t.Gemma2Model,
-                     tokenizer=t.GemmaTokenizerFast, scheduler=d.DPMSolverMultistepScheduler),
-        "wan": dict(transformer=d.WanTransformer3DModel, vae=d.AutoencoderKLWan, text_encoder=t.UMT5EncoderModel,
-                    tokenizer=t.T5TokenizerFast, scheduler=d.UniPCMultistepScheduler),
-    }[family]
+
+def expected_classes(family):
+    import diffusers
+    import transformers
+
+    pairs = (item.split("=") for item in EXPECTED_CLASSES[family].split())
+    return {name: getattr(diffusers, cls, None) or getattr(transformers, cls) for name, cls in pairs}
 
 
 # ----------------------------------------------------------------------------- construction
@@ -176,7 +180,9 @@ def test_flux_sigmas_match_dynamic_shift_formula(size):
 
 
 def test_flux_sigmas_depend_on_resolution():
-    assert not torch.allclose(make("flux", height=32, width=32).sigmas(6), make("flux", height=64, width=64).sigmas(6))
+    assert not torch.allclose(
+        make("flux", height=32, width=32).sigmas(6), make("flux", height=64, width=64).sigmas(6)
+    )
 
 
 def test_sd3_sigmas_match_shift_formula_on_diffusers_grid():
@@ -248,8 +254,15 @@ def _one_pipeline_step(adapter, cond, x):
     with flow sigmas reach 0 in one first-order step too, x0 = x - sigma * v, but feed the
     transformer the integer-rounded timestep."""
     t, f, h = cond.tensors, adapter.family, adapter.cfg.height
-    common = dict(latents=x, num_inference_steps=1, guidance_scale=adapter.cfg.guidance_scale, height=h, width=h,
-                  output_type="latent", prompt_embeds=t["prompt_embeds"])
+    common = dict(
+        latents=x,
+        num_inference_steps=1,
+        guidance_scale=adapter.cfg.guidance_scale,
+        height=h,
+        width=h,
+        output_type="latent",
+        prompt_embeds=t["prompt_embeds"],
+    )
     if f in ("flux", "sd3"):
         extra = {k: v for k, v in t.items() if k != "prompt_embeds"}
         return adapter.pipe(**common, **extra).images, 1.0, 1.0
@@ -257,13 +270,18 @@ def _one_pipeline_step(adapter, cond, x):
     scheduler.set_timesteps(1)
     sig, tstep = float(scheduler.sigmas[0]), float(scheduler.timesteps[0]) / 1000
     if f == "sana":
-        out = adapter.pipe(**common, negative_prompt=None, prompt_attention_mask=t["prompt_attention_mask"],
-                           negative_prompt_embeds=t["negative_prompt_embeds"],
-                           negative_prompt_attention_mask=t["negative_prompt_attention_mask"],
-                           use_resolution_binning=False).images
+        out = adapter.pipe(
+            **common,
+            negative_prompt=None,
+            prompt_attention_mask=t["prompt_attention_mask"],
+            negative_prompt_embeds=t["negative_prompt_embeds"],
+            negative_prompt_attention_mask=t["negative_prompt_attention_mask"],
+            use_resolution_binning=False,
+        ).images
     else:
-        out = adapter.pipe(**common, negative_prompt_embeds=t["negative_prompt_embeds"],
-                           num_frames=adapter.cfg.num_frames).frames
+        out = adapter.pipe(
+            **common, negative_prompt_embeds=t["negative_prompt_embeds"], num_frames=adapter.cfg.num_frames
+        ).frames
     return out, sig, tstep
 
 
@@ -318,6 +336,22 @@ def test_from_pretrained_fake_hub_id_offline(family):
     assert name in message and "local" in message and "huggingface-cli download" in message
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_local_directory(family, tmp_path):
+    """The happy path: a saved diffusers directory loads, frozen, with the same velocity."""
+    tiny_twin = make(family)
+    tiny_twin.pipe.save_pretrained(tmp_path)
+    loaded = make(family, pretrained=str(tmp_path))
+    assert type(loaded.pipe) is type(tiny_twin.pipe)
+    assert not loaded.transformer.training and not any(
+        p.requires_grad for p in loaded.transformer.parameters()
+    )
+    x, sigma = noise(tiny_twin, 1), torch.tensor([0.6])
+    v_ref = tiny_twin.velocity(tiny_twin.transformer, x, sigma, tiny_twin.encode_prompts(PROMPTS[:1]))
+    v = loaded.velocity(loaded.transformer, x, sigma, loaded.encode_prompts(PROMPTS[:1]))
+    torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- LoRA
 
 
@@ -337,7 +371,9 @@ def test_lora_round_trip_through_load_lora_weights(family, tmp_path):
     base = adapter.velocity(adapter.transformer, x, sigma, cond)
 
     adapter.transformer.add_adapter(
-        LoraConfig(r=4, lora_alpha=8, target_modules=list(adapter.default_lora_targets), init_lora_weights="gaussian")
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=list(adapter.default_lora_targets), init_lora_weights="gaussian"
+        )
     )
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():

@@ -1,0 +1,162 @@
+"""FLUX.1 adapter over diffusers' ``FluxPipeline``.
+
+FLUX works on packed latents: the VAE latent (C, h, w) is cut into 2x2 patches and
+flattened to (h/2 * w/2 tokens, 4C). FLUX.1-dev is guidance-distilled: instead of CFG,
+the guidance scale enters the transformer as an embedding (``guidance_embeds``), so a
+single forward per step is enough and ``guidance=False`` changes nothing.
+The schedule is FlowMatchEuler with resolution-dependent ("dynamic") shift
+``mu = m * image_seq_len + b`` (FLUX paper, sec. 3.2; ``calculate_shift`` in diffusers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+from diffrl.models import tiny
+from diffrl.models.base import Conditioning
+from diffrl.models.loading import PipelineAdapter, finalize_pipeline, module_dtype, unwrap
+
+# Real FLUX.1 VAE latent normalisation (diffusers AutoencoderKL config of FLUX.1-dev).
+_FLUX_VAE_SCALING = 0.3611
+_FLUX_VAE_SHIFT = 0.1159
+
+
+class FluxAdapter(PipelineAdapter):
+    """FLUX.1 [dev|schnell]: CLIP pooled + T5 sequence embeddings, packed latents, guidance embedding."""
+
+    family = "flux"
+    pipeline_class = FluxPipeline
+    cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    # flow_grpo / diffusers train_dreambooth_lora_flux.py: attention (image and context
+    # streams) and both feed-forwards of the double-stream blocks; "attn.to_q/k/v" also
+    # match the single-stream blocks.
+    default_lora_targets = (
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def build_tiny(cls, model_cfg) -> FluxAdapter:
+        """Same classes as FLUX.1-dev at toy size: 1 double + 1 single block, hidden 32."""
+        clip_tok, t5_tok = tiny.clip_tokenizer(), tiny.t5_tokenizer()
+        with tiny.seeded(model_cfg.tiny_seed):
+            from transformers import CLIPTextModel, T5EncoderModel
+
+            text_encoder = CLIPTextModel(tiny.clip_text_config(clip_tok, hidden=32))
+            text_encoder_2 = T5EncoderModel(tiny.t5_config(t5_tok, d_model=32))
+            vae = tiny.tiny_autoencoder_kl(4, _FLUX_VAE_SCALING, _FLUX_VAE_SHIFT)
+            transformer = FluxTransformer2DModel(
+                patch_size=1,
+                in_channels=16,  # 4 latent channels x 2x2 packing
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,  # T5 d_model
+                pooled_projection_dim=32,  # CLIP hidden size
+                guidance_embeds=True,
+                axes_dims_rope=(4, 6, 6),
+            )
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+        pipe = FluxPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=clip_tok,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=t5_tok,
+            transformer=transformer,
+        )
+        return cls(finalize_pipeline(pipe, model_cfg), model_cfg)
+
+    # -- prompts ------------------------------------------------------------------------
+    def _encode_uncached(self, prompts: list[str]) -> Conditioning:
+        """Pooled CLIP + T5 sequence; no negatives: FLUX.1 guidance is an embedding, not CFG."""
+        prompt_embeds, pooled, _text_ids = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, max_sequence_length=self.cfg.max_sequence_length
+        )
+        return self._encoded(self.cond_keys, (prompt_embeds, pooled))
+
+    # -- latents and schedule -----------------------------------------------------------
+    def _latent_hw(self) -> tuple[int, int]:
+        """Unpacked latent size; FluxPipeline rounds to a multiple of 2 for the 2x2 packing."""
+        vsf = self.pipe.vae_scale_factor
+        return 2 * (self.cfg.height // (vsf * 2)), 2 * (self.cfg.width // (vsf * 2))
+
+    def latent_shape(self) -> tuple[int, ...]:
+        h, w = self._latent_hw()
+        channels = self.transformer.config.in_channels // 4
+        return ((h // 2) * (w // 2), channels * 4)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """Exactly FluxPipeline's schedule: sigmas=linspace(1, 1/N, N) and mu from the image
+        sequence length, through a fresh FlowMatchEuler scheduler built from the pipeline's."""
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipe.scheduler.config)
+        config = scheduler.config
+        grid = np.linspace(1.0, 1 / num_steps, num_steps)
+        mu = calculate_shift(
+            self.latent_shape()[0],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        scheduler.set_timesteps(sigmas=grid, mu=mu)
+        return scheduler.sigmas.to(torch.float32).cpu()
+
+    # -- model --------------------------------------------------------------------------
+    def _forward(self, transformer, latents, sigma, emb):
+        config = unwrap(transformer).config
+        dtype = module_dtype(transformer)
+        batch = latents.shape[0]
+        h, w = self._latent_hw()
+        img_ids = FluxPipeline._prepare_latent_image_ids(batch, h // 2, w // 2, latents.device, dtype)
+        prompt_embeds = emb["prompt_embeds"].to(dtype)
+        txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=latents.device, dtype=dtype)
+        guidance = None
+        if config.guidance_embeds:
+            # fp32 like FluxPipeline; the transformer casts and scales it by 1000 itself
+            guidance = torch.full((batch,), float(self.cfg.guidance_scale), device=latents.device)
+        # FluxPipeline casts t = 1000 sigma to the latents' dtype, then passes t / 1000
+        scale = self.pipe.scheduler.config.num_train_timesteps
+        return transformer(
+            hidden_states=latents.to(dtype),
+            timestep=(sigma.float() * scale).to(dtype) / scale,
+            guidance=guidance,
+            pooled_projections=emb["pooled_prompt_embeds"].to(dtype),
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Unpack, undo the VAE normalisation (``x / scaling + shift``), decode, map to [0, 1]."""
+        vae = self.pipe.vae
+        latents = FluxPipeline._unpack_latents(
+            latents, self.cfg.height, self.cfg.width, self.pipe.vae_scale_factor
+        )
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        images = vae.decode(latents.to(device=vae.device, dtype=vae.dtype), return_dict=False)[0]
+        return tiny.to_unit_range(images)
