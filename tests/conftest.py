@@ -19,3 +19,14 @@ def tiny_cfg(tmp_path):
                                                        "logging.progress_bar=false", *overrides])
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """accelerate keeps a process-wide singleton; reset it so each test may pick its own
+    mixed precision."""
+    yield
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
