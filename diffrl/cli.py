@@ -9,7 +9,6 @@ from diffrl.config import ConfigError, describe, load_config
 from diffrl.plan import derive, format_plan
 
 
-
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Error types that mean bad input: printed as one line, never as a traceback."""
     from diffrl.checkpoint import CheckpointError

@@ -13,8 +13,8 @@ flow_grpo's variant dividing by std_t^2 (``flow_grpo``); see ``diffrl.sampling.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
