@@ -70,9 +70,12 @@ class Trainer:
         self.policy = Policy(self.adapter, cfg.model, cfg.seed)
         opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                 weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps)
-        sched = make_lr_scheduler(opt, cfg, int(self.numbers["optimizer_steps_total"]))
-        self.model, self.optimizer, self.scheduler = self.acc.prepare(self.adapter.transformer, opt, sched)
+        self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
+        # Not passed through prepare(): accelerate would step it once per *process* per
+        # optimizer step, while our step counts are already per optimizer step.
+        self.scheduler = make_lr_scheduler(self.optimizer, cfg, int(self.numbers["optimizer_steps_total"]))
         self.counters = UpdateCounters()
+        self.acc.register_for_checkpointing(self.scheduler)
         self.ema = EMA(self.policy.trainable_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.acc.register_for_checkpointing(self.counters)
         if self.ema is not None:
