@@ -86,11 +86,9 @@ class Policy:
         ``transformer/`` folder loadable with ``from_pretrained`` for full fine-tuning."""
         directory = Path(directory)
         if self.is_lora:
-            from diffusers.utils import convert_state_dict_to_diffusers
             from peft.utils import get_peft_model_state_dict
 
-            state = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.transformer))
-            self.adapter.save_lora(directory, state)
+            self.adapter.save_lora(directory, get_peft_model_state_dict(self.transformer))
         else:
             self.transformer.save_pretrained(directory / "transformer")
 

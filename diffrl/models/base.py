@@ -43,6 +43,18 @@ class Conditioning:
         return next(iter(self.tensors.values())).shape[0]
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        for attr in ("module", "_orig_mod"):
+            inner = getattr(module, attr, None)
+            if isinstance(inner, torch.nn.Module):
+                module = inner
+                break
+        else:
+            return module
+
+
 class ModelLoadError(RuntimeError):
     """Weights could not be found or loaded; the message names the model and the fix."""
 
@@ -126,5 +138,27 @@ class FlowAdapter(ABC):
 
     # -- LoRA I/O ----------------------------------------------------------------------
     def save_lora(self, directory, transformer_lora_state: dict) -> None:
-        """Write diffusers-format LoRA weights so ``pipe.load_lora_weights(directory)`` works."""
-        type(self.pipe).save_lora_weights(directory, transformer_lora_layers=transformer_lora_state)
+        """Diffusers LoRA file (PEFT key names) with the adapter's LoraConfig as metadata.
+
+        Two diffusers quirks are handled here so ``pipe.load_lora_weights(directory)``
+        reproduces the trained model exactly:
+
+        * ``convert_state_dict_to_diffusers`` renames only some keys (``to_q.lora_A`` ->
+          ``to_q.lora.down``, but not ``add_q_proj.lora_A``), and the loader converts back
+          only when the *first* key is old-style; for SD3 (``add_*`` sorts first) the
+          ``to_*`` LoRA was silently dropped. Keys are normalised to ``lora_A``/``lora_B``.
+        * Without metadata diffusers reloads with lora_alpha == rank, which silently
+          rescales a LoRA trained with alpha != rank (the default config has alpha = 2r).
+        """
+        from diffusers.utils import convert_unet_state_dict_to_peft
+
+        state = transformer_lora_state
+        if any(".lora.down" in k or ".lora.up" in k for k in state):
+            state = convert_unet_state_dict_to_peft(dict(state))
+        peft_config = getattr(unwrap(self.transformer), "peft_config", None) or {}
+        metadata = None
+        if len(peft_config) == 1:
+            metadata = next(iter(peft_config.values())).to_dict()
+        type(self.pipe).save_lora_weights(
+            directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
+        )

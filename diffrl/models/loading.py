@@ -6,8 +6,8 @@ network, gated repo, missing files, wrong pipeline class) into one
 at a local diffusers directory. Nothing here touches the network at import time.
 
 ``PipelineAdapter`` holds what the four families (flux, sd3, sana, wan) have in common:
-freezing the pipeline, classifier-free guidance as one batched forward, and LoRA saving
-that ``pipe.load_lora_weights`` reads back exactly. ``flow_sigmas`` is the schedule of
+freezing the pipeline and classifier-free guidance as one batched forward. LoRA saving
+(``FlowAdapter.save_lora``) lives in the base class. ``flow_sigmas`` is the schedule of
 the families whose pipelines sample with DPM-Solver/UniPC over flow sigmas (sana, wan).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from diffrl.models.base import Conditioning, FlowAdapter, ModelLoadError
+from diffrl.models.base import Conditioning, FlowAdapter, ModelLoadError, unwrap  # noqa: F401 (re-export)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,18 +120,6 @@ def finalize_pipeline(pipe, model_cfg, cast: bool = True):
     return pipe
 
 
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The bare model under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    while True:
-        for attr in ("module", "_orig_mod"):
-            inner = getattr(module, attr, None)
-            if isinstance(inner, torch.nn.Module):
-                module = inner
-                break
-        else:
-            return module
-
-
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
     """Dtype the frozen weights run in (LoRA weights may be fp32 on a bf16 base)."""
     bare = unwrap(module)
@@ -203,29 +191,3 @@ class PipelineAdapter(FlowAdapter):
     def _encoded(self, names: tuple[str, ...], values) -> Conditioning:
         """Conditioning from the encode_prompt outputs, dropping the ones that are None."""
         return Conditioning({n: v for n, v in zip(names, values) if v is not None})
-
-    def save_lora(self, directory, transformer_lora_state: dict) -> None:
-        """Diffusers LoRA file (PEFT key names) with the adapter's LoraConfig as metadata.
-
-        Two diffusers quirks are handled here so ``pipe.load_lora_weights(directory)``
-        reproduces the trained model exactly:
-
-        * ``convert_state_dict_to_diffusers`` renames only some keys (``to_q.lora_A`` ->
-          ``to_q.lora.down``, but not ``add_q_proj.lora_A``), and the loader converts back
-          only when the *first* key is old-style; for SD3 (``add_*`` sorts first) the
-          ``to_*`` LoRA was silently dropped. Keys are normalised to ``lora_A``/``lora_B``.
-        * Without metadata diffusers reloads with lora_alpha == rank, which silently
-          rescales a LoRA trained with alpha != rank (the default config has alpha = 2r).
-        """
-        from diffusers.utils import convert_unet_state_dict_to_peft
-
-        state = transformer_lora_state
-        if any(".lora.down" in k or ".lora.up" in k for k in state):
-            state = convert_unet_state_dict_to_peft(dict(state))
-        peft_config = getattr(unwrap(self.transformer), "peft_config", None) or {}
-        metadata = None
-        if len(peft_config) == 1:
-            metadata = next(iter(peft_config.values())).to_dict()
-        type(self.pipe).save_lora_weights(
-            directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
-        )
