@@ -18,6 +18,7 @@ import importlib
 _REGISTRY: dict[str, str] = {
     "jpeg_compressibility": "rewards.jpeg:JpegCompressibility",
     "jpeg_incompressibility": "rewards.jpeg:JpegIncompressibility",
+    "shapeworld": "rewards.shapeworld:ShapeWorldVerifier",
 }
 
 
