@@ -48,8 +48,11 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    family: str = _f("flux", "Adapter family: one of diffrl.models.available() (flux, sd3, sana, wan).")
-    pretrained: str = _f("tiny", "Hub id or local diffusers directory, or 'tiny' for the offline tiny twin.")
+    family: str = _f("flux", "Adapter family: one of diffrl.models.available() (flux, sd3, sana, wan, toy).")
+    pretrained: str = _f(
+        "tiny", "Hub id or local diffusers directory, 'tiny' for the offline tiny twin, or (family toy) "
+        "'shapeworld' for the shipped pretrained ShapeWorld model."
+    )
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) when `pretrained` is a hub id.")
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32", "Dtype of the frozen weights (transformer, VAE, text encoders). LoRA weights stay fp32."

@@ -5,7 +5,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-FAMILIES = ["flux", "sd3", "sana", "wan"]
+FAMILIES = ["flux", "sd3", "sana", "wan", "toy"]
 
 
 @pytest.fixture

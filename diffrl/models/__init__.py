@@ -16,6 +16,7 @@ _FAMILIES = {
     "sd3": "diffrl.models.sd3:SD3Adapter",
     "sana": "diffrl.models.sana:SanaAdapter",
     "wan": "diffrl.models.wan:WanAdapter",
+    "toy": "diffrl.models.toy:ToyAdapter",
 }
 
 

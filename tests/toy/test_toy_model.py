@@ -1,0 +1,118 @@
+"""The toy family: real library classes, the pipeline's own sampler as a second code
+path, save/load and LoRA round trips, the shipped weights, and reproducible pretraining."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffrl.config import ModelConfig, load_config
+from diffrl.models import ModelLoadError, build_adapter
+from diffrl.models.toy import SHIPPED, ToyPipeline, word_tokenizer
+from diffrl.sampling.rollout import rollout_independent
+from diffrl.toy import grammar
+
+PROMPTS = ["two red circles", "a blue square to the left of a yellow triangle"]
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    return ModelConfig(**{"family": "toy", "pretrained": "tiny", "height": 32, "width": 32, **kw})
+
+
+def test_real_classes_and_pixel_space():
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerBase
+
+    adapter = build_adapter(tiny_cfg())
+    pipe = adapter.pipe
+    assert isinstance(pipe.transformer, SD3Transformer2DModel)
+    assert isinstance(pipe.text_encoder, CLIPTextModelWithProjection)
+    assert isinstance(pipe.tokenizer, PreTrainedTokenizerBase)
+    assert isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert adapter.latent_shape() == (3, 32, 32)
+    x = torch.linspace(-3, 3, 3 * 32 * 32).view(1, 3, 32, 32)
+    assert torch.equal(adapter.decode(x), ((x + 1) / 2).clamp(0, 1))
+
+
+def test_word_tokenizer_covers_the_grammar_and_pools_at_eos():
+    tok = word_tokenizer()
+    for spec in grammar.all_specs():
+        ids = tok(spec.caption()).input_ids
+        assert tok.unk_token_id not in ids and ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert len(tok(max((s.caption() for s in grammar.all_specs()), key=len)).input_ids) <= tok.model_max_length
+    adapter = build_adapter(tiny_cfg())
+    assert adapter.pipe.text_encoder.config.eos_token_id == tok.eos_token_id != 2  # 2 = CLIP's legacy argmax path
+
+
+def test_adapter_ode_rollout_matches_the_pipeline_sampler():
+    """Two code paths: diffrl's rollout (adapter.velocity + ODE step) and ToyPipeline.__call__."""
+    cfg = load_config("tiny_toy_flowgrpo", ["model.guidance_scale=2.0"])
+    adapter = build_adapter(cfg.model)
+    steps = 5
+    cond = adapter.encode_prompts(PROMPTS)
+    traj = rollout_independent(adapter, adapter.transformer, cond, [("k", 0), ("k", 1)], cfg,
+                               num_steps=steps, kinds=["ode"] * steps)
+    images = adapter.pipe(PROMPTS, num_inference_steps=steps, guidance_scale=2.0, latents=traj.latents[:, 0],
+                          output_type="pt")
+    assert torch.allclose(images, traj.images, atol=1e-5)
+
+
+def test_save_pretrained_round_trip_and_lora(tmp_path):
+    adapter = build_adapter(tiny_cfg())
+    adapter.pipe.save_pretrained(tmp_path / "model")
+    loaded = build_adapter(tiny_cfg(pretrained=str(tmp_path / "model")))
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.3, 0.8])
+    v0 = adapter.velocity(adapter.transformer, x, sigma, adapter.encode_prompts(PROMPTS))
+    v1 = loaded.velocity(loaded.transformer, x, sigma, loaded.encode_prompts(PROMPTS))
+    assert torch.equal(v0, v1)
+
+    from peft import LoraConfig
+
+    loaded.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(loaded.default_lora_targets),
+                                              init_lora_weights="gaussian"))
+    with torch.no_grad():
+        for name, p in loaded.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    v_lora = loaded.velocity(loaded.transformer, x, sigma, loaded.encode_prompts(PROMPTS))
+    from peft.utils import get_peft_model_state_dict
+
+    loaded.save_lora(tmp_path / "lora", get_peft_model_state_dict(loaded.transformer))
+    fresh = ToyPipeline.from_pretrained(tmp_path / "model")
+    fresh.load_lora_weights(tmp_path / "lora")
+    fresh_adapter = type(adapter)(fresh, tiny_cfg())
+    v_fresh = fresh_adapter.velocity(fresh.transformer, x, sigma, fresh_adapter.encode_prompts(PROMPTS))
+    assert not torch.allclose(v_lora, v0, atol=1e-4)
+    assert torch.allclose(v_fresh, v_lora, atol=1e-5)
+
+
+def test_shipped_model_loads_by_name_and_checks_resolution():
+    assert (SHIPPED / "model_index.json").is_file()
+    weights = sum(f.stat().st_size for f in SHIPPED.rglob("*.safetensors"))
+    assert weights < 20e6
+    adapter = build_adapter(tiny_cfg(pretrained="shapeworld"))
+    v = adapter.velocity(adapter.transformer, torch.zeros(1, 3, 32, 32), torch.tensor([0.5]),
+                         adapter.encode_prompts(PROMPTS[:1]))
+    assert torch.isfinite(v).all()
+    with pytest.raises(ModelLoadError, match="set model.height and model.width to 32"):
+        build_adapter(tiny_cfg(pretrained="shapeworld", height=64, width=64))
+
+
+def test_pretraining_is_reproducible_and_stopping_early_equals_a_shorter_run(tmp_path):
+    from diffrl.toy.pretrain import PretrainConfig, pretrain
+
+    def run(name, steps, eval_every):
+        cfg = PretrainConfig(out=str(tmp_path / name), steps=steps, batch_size=4, eval_every=eval_every,
+                             eval_prompts=2, eval_steps=2, snapshots=str(tmp_path / f"{name}-snap"))
+        pretrain(cfg, log=lambda *_: None)
+        return ToyPipeline.from_pretrained(tmp_path / name).transformer.state_dict()
+
+    short = run("a", 2, 2)
+    again = run("b", 2, 2)
+    longer = run("c", 3, 2)
+    snap = ToyPipeline.from_pretrained(tmp_path / "c-snap" / "step-2").transformer.state_dict()
+    assert all(torch.equal(short[k], again[k]) for k in short)
+    assert all(torch.equal(short[k], snap[k]) for k in short)
+    assert any(not torch.equal(short[k], longer[k]) for k in short)
+
