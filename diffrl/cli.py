@@ -15,9 +15,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diffrl.data import PromptFileError
     from diffrl.models.base import ModelLoadError
     from rewards import UnknownRewardError
+    from rewards.combine import RewardPromptError
     from rewards.images import RewardInputError
 
-    return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError)
+    return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError,
+            RewardPromptError)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,14 +1,21 @@
 """Held-out evaluation: fixed prompts x fixed seeds, deterministic ODE sampling.
 
 Noise keys depend only on (prompt index, seed), so every evaluation of a run (and of
-any checkpoint) sees exactly the same initial noise.
+any checkpoint) sees exactly the same initial noise. Besides the mean of every reward
+score it logs ``eval/diversity``: the mean pairwise RMS pixel distance between the
+samples of the same prompt (images downsampled to at most 64 px), so that reward
+hacking by mode collapse shows up as a falling diversity.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from diffrl.sampling.rollout import rollout_independent
+
+DIVERSITY_SIZE = 64
 
 
 def eval_plan(prompts: list[str], num_prompts: int, seeds: list[int]) -> tuple[list[str], list[tuple]]:
@@ -26,9 +33,35 @@ def _pad_to_multiple(items: list, world: int) -> list:
     return items + items[-1:] * missing
 
 
+def thumbnails(images: torch.Tensor, size: int = DIVERSITY_SIZE) -> torch.Tensor:
+    """(B, D) flattened images (video: all frames) area-downsampled to at most ``size`` px."""
+    frames = images.flatten(0, 1) if images.ndim == 5 else images
+    h, w = frames.shape[-2:]
+    if max(h, w) > size:
+        scale = size / max(h, w)
+        frames = torch.nn.functional.interpolate(frames.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))),
+                                                 mode="area")
+    return frames.reshape(images.shape[0], -1).float()
+
+
+def diversity(thumbs: torch.Tensor, prompt_index: list[int]) -> float:
+    """Mean over prompts of the mean pairwise RMS distance between that prompt's samples
+    (NaN when no prompt has two samples)."""
+    groups: dict[int, list[int]] = {}
+    for row, p in enumerate(prompt_index):
+        groups.setdefault(p, []).append(row)
+    per_prompt = []
+    for rows in groups.values():
+        pairs = list(itertools.combinations(rows, 2))
+        if pairs:
+            d = [(thumbs[i] - thumbs[j]).pow(2).mean().sqrt() for i, j in pairs]
+            per_prompt.append(torch.stack(d).mean())
+    return float(torch.stack(per_prompt).mean()) if per_prompt else float("nan")
+
+
 @torch.no_grad()
 def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], cfg) -> dict[str, float]:
-    """Mean of every reward score over the eval set, as ``eval/<name>/mean``."""
+    """Mean of every reward score over the eval set as ``eval/<name>/mean``, plus ``eval/diversity``."""
     plan_prompts, keys = eval_plan(prompts, cfg.eval.num_prompts, cfg.eval.seeds)
     n = len(keys)
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -43,4 +76,7 @@ def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], c
     names = sorted(logs)
     local = torch.stack([logs[k] for k in names], dim=1).to(accelerator.device)
     gathered = accelerator.gather(local)[:n]
-    return {f"eval/{name}/mean": float(gathered[:, j].mean()) for j, name in enumerate(names)}
+    out = {f"eval/{name}/mean": float(gathered[:, j].mean()) for j, name in enumerate(names)}
+    thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
+    out["eval/diversity"] = diversity(thumbs, [k[1] for k in keys])
+    return out

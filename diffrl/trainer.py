@@ -27,6 +27,7 @@ from diffrl.models import build_adapter
 from diffrl.plan import derive, format_plan
 from diffrl.policy import EMA, Policy
 from diffrl.sampling import get_strategy
+from diffrl.summary import before_after
 from diffrl.update import UpdateCounters, Updater
 from rewards.combine import MultiReward
 
@@ -61,6 +62,8 @@ class Trainer:
         self.train_prompts = load_prompts(cfg.data.train_prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts) if cfg.eval.every or cfg.eval.at_start else []
         self.reward_fn = MultiReward(cfg.rewards)
+        self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
+        self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
         self.strategy = get_strategy(cfg.rollout.strategy)
         self.objective = get_objective(cfg.objective.name)
         self.numbers = derive(cfg, self.acc.num_processes)
@@ -163,5 +166,13 @@ class Trainer:
             if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                 ckpt.save_checkpoint(self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep)
         bar.close()
+        self.acc.wait_for_everyone()
+        self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
         self.acc.end_training()
         return history
+
+    def headline_metrics(self) -> tuple[str, ...]:
+        """Listed first in the summary: a verifier's strict score (``<reward>_strict``, as
+        ShapeWorld logs) if there is one, else the first reward."""
+        first = self.cfg.rewards[0].name
+        return (f"eval/{first}_strict/mean", f"eval/{first}/mean")

@@ -7,6 +7,10 @@ import torch
 import rewards
 
 
+class RewardPromptError(ValueError):
+    """A prompt list contains prompts a configured reward cannot score."""
+
+
 class MultiReward:
     """Build each configured reward once and combine them: total = sum_k w_k r_k."""
 
@@ -16,6 +20,17 @@ class MultiReward:
             raise ValueError(f"rewards: each reward may appear once, got {self.names}")
         self.weights = torch.tensor([float(s.weight) for s in specs])
         self.models = [rewards.build(s.name, **dict(s.args)) for s in specs]
+
+    def check_prompts(self, prompts: list[str], source: str = "prompts") -> None:
+        """Let rewards that only understand a prompt grammar reject a prompt list up front
+        (one clear error at start-up instead of zero rewards mid-run)."""
+        for model in self.models:
+            check = getattr(model, "check_prompts", None)
+            if check is not None and prompts:
+                try:
+                    check(prompts)
+                except ValueError as err:
+                    raise RewardPromptError(f"{source}: {err}") from None
 
     def __call__(self, images, prompts, metadata=None):
         """Returns (total (B,), components (B, K), logs {name: (B,)} with every score)."""
