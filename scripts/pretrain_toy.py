@@ -17,13 +17,17 @@ from diffrl.toy.pretrain import PretrainConfig, pretrain
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    types = {"int": int, "float": float}  # every other field is a string (or None)
     for f in dataclasses.fields(PretrainConfig):
-        kind = str if f.type in ("str | None", "str") else eval(f.type)  # noqa: S307 (fixed dataclass types)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=types.get(f.type, str), default=f.default)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results depend on it)")
     args = vars(parser.parse_args(argv))
     torch.set_num_threads(args.pop("threads"))
-    summary = pretrain(PretrainConfig(**args))
+    try:
+        summary = pretrain(PretrainConfig(**args))
+    except ValueError as err:  # bad arguments: one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"done in {summary['minutes']:.1f} min; saved to {args['out']}")
     return 0
 

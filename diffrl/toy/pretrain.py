@@ -127,6 +127,7 @@ def eval_sets(n: int) -> dict[str, list[str]]:
 
 def pretrain(cfg: PretrainConfig, log=print) -> dict:
     """Train, evaluate every ``eval_every`` steps, save the EMA model to ``cfg.out``."""
+    _validate(cfg)
     train, _ = grammar.split()
     by_kind = [[p for p in train if grammar.parse(p).kind == k] for k in grammar.KINDS]
     with tiny.seeded(cfg.seed):
@@ -164,6 +165,18 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     summary = {"config": asdict(cfg), "minutes": (time.time() - start) / 60, "history": history}
     (Path(cfg.out) / "pretrain_log.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _validate(cfg: PretrainConfig) -> None:
+    patch = 8  # build_components' default patch size
+    if cfg.resolution % patch or cfg.resolution < 2 * patch:
+        raise ValueError(f"--resolution must be a multiple of {patch} and at least {2 * patch}, got {cfg.resolution}")
+    if cfg.grid and not 4 <= cfg.grid <= cfg.resolution // 2:
+        raise ValueError(f"--grid must be 0 (free layout) or 4..{cfg.resolution // 2} pixels, got {cfg.grid}")
+    if cfg.prediction not in ("x0", "velocity"):
+        raise ValueError(f"--prediction must be 'x0' or 'velocity', got '{cfg.prediction}'")
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:
+        raise ValueError("--steps, --batch-size and --eval-every must be positive")
 
 
 def _eval_ema(pipe, ema, evals, cfg) -> dict:

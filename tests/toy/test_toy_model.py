@@ -116,3 +116,17 @@ def test_pretraining_is_reproducible_and_stopping_early_equals_a_shorter_run(tmp
     assert all(torch.equal(short[k], snap[k]) for k in short)
     assert any(not torch.equal(short[k], longer[k]) for k in short)
 
+
+
+def test_pretrain_script_rejects_bad_arguments_in_one_line(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_toy.py"
+    spec = importlib.util.spec_from_file_location("pretrain_toy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--resolution", "30", "--out", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.startswith("error: --resolution must be a multiple of 8")
+    assert script.main(["--prediction", "eps"]) == 2
+    assert "--prediction must be 'x0' or 'velocity'" in capsys.readouterr().err
