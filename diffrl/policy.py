@@ -94,17 +94,24 @@ class Policy:
 
 
 class EMA:
-    """Exponential moving average of parameters (used for evaluation when enabled)."""
+    """Exponential moving average of parameters (used for evaluation when enabled).
 
-    def __init__(self, params: list[torch.nn.Parameter], decay: float):
-        self.params = params
-        self.decay = decay
-        self.shadow = [p.detach().clone().float() for p in params]
+    ``warmup`` uses decay min(decay, (1 + n) / (10 + n)) at the n-th update, so early
+    averages are not dominated by the initial weights (used by toy-model pretraining,
+    which starts from random weights; RL starts from a trained model and uses none).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, warmup: bool = False):
+        self.params = list(params)
+        self.decay, self.warmup, self.updates = decay, warmup, 0
+        self.shadow = [p.detach().clone().float() for p in self.params]
 
     @torch.no_grad()
     def update(self) -> None:
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
         for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach().float(), 1.0 - self.decay)
+            s.lerp_(p.detach().float(), 1.0 - decay)
 
     @contextlib.contextmanager
     def swapped_in(self):
@@ -121,7 +128,8 @@ class EMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "shadow": [s.cpu() for s in self.shadow]}
+        return {"decay": self.decay, "updates": self.updates, "shadow": [s.cpu() for s in self.shadow]}
 
     def load_state_dict(self, state: dict) -> None:
         self.shadow = [s.to(p.device).float() for s, p in zip(state["shadow"], self.params)]
+        self.updates = state.get("updates", 0)

@@ -15,6 +15,7 @@ random weights; any other value is a local directory written by ``save_pretraine
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from diffusers.loaders import SD3LoraLoaderMixin
 
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning, ModelLoadError
-from diffrl.models.loading import finalize_pipeline, load_pipeline
+from diffrl.models.loading import finalize_pipeline
 from diffrl.models.sd3 import SD3Adapter
 
 SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "toy_model"
@@ -192,7 +193,7 @@ class ToyAdapter(SD3Adapter):
             if not (SHIPPED / "model_index.json").is_file():
                 raise ModelLoadError(f"the shipped toy model is missing from '{SHIPPED}'; restore assets/toy_model "
                                      "from git or rebuild it with scripts/pretrain_toy.py")
-            model_cfg = _with_path(model_cfg, str(SHIPPED))
+            model_cfg = dataclasses.replace(model_cfg, pretrained=str(SHIPPED))
         adapter = super().from_pretrained(model_cfg)
         size = adapter.transformer.config.sample_size
         if (model_cfg.height, model_cfg.width) != (size, size):
@@ -217,10 +218,4 @@ class ToyAdapter(SD3Adapter):
         return tiny.to_unit_range(latents)
 
 
-def _with_path(model_cfg, path: str):
-    import dataclasses
-
-    return dataclasses.replace(model_cfg, pretrained=path)
-
-
-__all__ = ["SHIPPED", "ToyAdapter", "ToyPipeline", "build_components", "load_pipeline", "word_tokenizer"]
+__all__ = ["SHIPPED", "ToyAdapter", "ToyPipeline", "build_components", "word_tokenizer"]

@@ -13,7 +13,6 @@ step N equals a run with ``--steps N`` (on the same torch build and thread count
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import time
@@ -25,6 +24,7 @@ import torch
 
 from diffrl.models import tiny
 from diffrl.models.toy import ToyPipeline, build_components
+from diffrl.policy import EMA
 from diffrl.toy import grammar
 from diffrl.toy.shapeworld import render
 
@@ -73,36 +73,6 @@ def flow_matching_loss(pipe: ToyPipeline, x0: torch.Tensor, captions: list[str],
     return torch.nn.functional.mse_loss(pipe.velocity(x_t, sigma, embeds, pooled), noise - x0)
 
 
-class Ema:
-    """EMA of all trainable parameters with the usual (1 + n) / (10 + n) warm-up."""
-
-    def __init__(self, modules, decay: float):
-        self.params = [p for m in modules for p in m.parameters()]
-        self.shadow = [p.detach().clone() for p in self.params]
-        self.decay, self.n = decay, 0
-
-    @torch.no_grad()
-    def update(self):
-        self.n += 1
-        d = min(self.decay, (1 + self.n) / (10 + self.n))
-        for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach(), 1 - d)
-
-    @contextlib.contextmanager
-    def swapped_in(self):
-        """Run the block with the EMA weights in the model; the live weights come back after."""
-        live = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for s, p in zip(self.shadow, self.params):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for v, p in zip(live, self.params):
-                    p.copy_(v)
-
-
 @torch.no_grad()
 def evaluate(pipe: ToyPipeline, prompts: list[str], steps: int, guidance: float, seed: int = 1234) -> dict:
     """Strict and partial ShapeWorld accuracy of ODE samples (fixed noise per index)."""
@@ -114,7 +84,7 @@ def evaluate(pipe: ToyPipeline, prompts: list[str], steps: int, guidance: float,
     return {"strict": float(scores["shapeworld_strict"].mean()), "partial": float(scores["shapeworld_partial"].mean())}
 
 
-def _save(pipe: ToyPipeline, ema: Ema, directory: Path) -> None:
+def _save(pipe: ToyPipeline, ema: EMA, directory: Path) -> None:
     """Save the EMA weights (the training weights are restored afterwards)."""
     with ema.swapped_in():
         pipe.save_pretrained(directory)
@@ -135,7 +105,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     modules = [pipe.transformer, pipe.text_encoder]
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    ema = Ema(modules, cfg.ema_decay)
+    ema = EMA(params, cfg.ema_decay, warmup=True)
     evals = eval_sets(cfg.eval_prompts)
     history, start, loss_acc = [], time.time(), 0.0
     for step in range(1, cfg.steps + 1):
