@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -79,6 +80,10 @@ class SamplingConfig:
     sde_window: list[int] | None = _f(
         None, "[start, end) step indices that use the SDE; other steps use the ODE. Null: all steps."
     )
+    sde_window_slide_every: int = _f(
+        0, "Move the SDE window later every N iterations (MixGRPO sliding window); 0 keeps it fixed."
+    )
+    sde_window_slide_stride: int = _f(1, "Steps the SDE window moves per slide; it stops at the last step.")
 
 
 @dataclass
@@ -87,6 +92,29 @@ class RolloutConfig:
     prompts_per_step: int = _f(2, "Distinct prompts per iteration (across all processes).")
     group_size: int = _f(4, "Samples per prompt (the GRPO group).")
     batch_size: int = _f(8, "Samples per transformer forward during rollouts, per process.")
+
+
+@dataclass
+class TreeConfig:
+    split_steps: list[int] = _f([0, 3, 6, 9], "Denoising steps at which every node branches (BranchGRPO).")
+    branch_factors: list[int] = _f([2], "Children per split: one per split step, or one value for all.")
+    split_noise_scale: float = _f(
+        1.0, "Multiplies the step rule's noise level at split steps (the log-prob uses the scaled std)."
+    )
+    reward_fusion: Literal["mean", "prob_weighted"] = _f(
+        "mean", "Internal node reward: mean of its leaves, or softmax(child log-prob / T)-weighted mean."
+    )
+    fusion_temperature: float = _f(1.0, "Temperature T of the prob_weighted fusion softmax.")
+    width_pruning: Literal["none", "best_worst", "best_per_branch"] = _f(
+        "none", "After the last split, train only the best+worst leaves per tree, or the best of each sibling set."
+    )
+    width_keep_fraction: float = _f(0.5, "Fraction of leaves (per tree, or per sibling set) whose edges are trained.")
+    depth_pruning: list[int] = _f([], "Denoising steps whose edges are not backpropagated (the rollout is unchanged).")
+    loss_weighting: Literal["edge", "depth"] = _f(
+        "edge", "Every trained edge weighs the same (BranchGRPO), or every denoising step does (as independent rollouts)."
+    )
+    depth_pruning_slide_every: int = _f(0, "Move the pruned steps one step earlier every N iterations; 0 keeps them.")
+    depth_pruning_stop: int = _f(0, "The earliest step the sliding depth-pruning window may reach.")
 
 
 @dataclass
@@ -176,6 +204,7 @@ class Config:
     model: ModelConfig = _f(ModelConfig(), "Model family and weights.")
     sampling: SamplingConfig = _f(SamplingConfig(), "SDE/ODE step settings.")
     rollout: RolloutConfig = _f(RolloutConfig(), "Rollout batch arithmetic.")
+    tree: TreeConfig = _f(TreeConfig(), "Tree sampler (rollout.strategy: tree).")
     data: DataConfig = _f(DataConfig(), "Prompt files.")
     rewards: list[RewardSpec] = _f([RewardSpec()], "Rewards combined by weight.")
     advantage: AdvantageConfig = _f(AdvantageConfig(), "Advantage estimator.")
@@ -330,6 +359,32 @@ def validate(cfg: Config) -> None:
     window = cfg.sampling.sde_window
     if window is not None and not (len(window) == 2 and 0 <= window[0] < window[1] <= cfg.sampling.num_steps):
         raise ConfigError(f"sampling.sde_window must be [start, end) within [0, {cfg.sampling.num_steps}], got {window}")
+    if cfg.sampling.sde_window_slide_every < 0 or cfg.sampling.sde_window_slide_stride < 1:
+        raise ConfigError("sampling.sde_window_slide_every must be >= 0 and sampling.sde_window_slide_stride >= 1")
+    if cfg.rollout.strategy == "tree":
+        _validate_tree(cfg)
+
+
+def _validate_tree(cfg: Config) -> None:
+    """The tree must fit the schedule and have exactly ``group_size`` leaves per prompt."""
+    tree, steps = cfg.tree, cfg.sampling.num_steps
+    splits = tree.split_steps
+    if not splits or sorted(set(splits)) != list(splits) or not all(0 <= s < steps for s in splits):
+        raise ConfigError(f"tree.split_steps must be increasing step indices in [0, {steps}), got {splits}")
+    factors = tree.branch_factors
+    if len(factors) not in (1, len(splits)) or any(f < 1 for f in factors):
+        raise ConfigError(f"tree.branch_factors needs one value >= 1 or one per split step ({len(splits)}), got {factors}")
+    leaves = math.prod(factors * len(splits) if len(factors) == 1 else factors)
+    if leaves != cfg.rollout.group_size:
+        raise ConfigError(f"the tree has {leaves} leaves per prompt but rollout.group_size is {cfg.rollout.group_size}; "
+                          "set rollout.group_size to the product of tree.branch_factors")
+    if cfg.sampling.sde_type == "ode":
+        raise ConfigError("tree splits need a stochastic step: set sampling.sde_type to sde, cps or dance")
+    if tree.split_noise_scale <= 0 or tree.fusion_temperature <= 0 or not 0 < tree.width_keep_fraction <= 1:
+        raise ConfigError("tree.split_noise_scale and tree.fusion_temperature must be > 0, "
+                          "tree.width_keep_fraction in (0, 1]")
+    if not all(0 <= d < steps for d in tree.depth_pruning):
+        raise ConfigError(f"tree.depth_pruning must list step indices in [0, {steps}), got {tree.depth_pruning}")
 
 
 def to_dict(cfg) -> dict:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 
+from diffrl.config import ConfigError
+from diffrl.sampling.windows import step_kinds
+
 # latent elements per pixel-area unit: (channels, spatial downsampling, packs frames?)
 _LATENT_LAYOUT = {"flux": (16, 8), "sd3": (16, 8), "sana": (32, 32), "wan": (16, 8)}
 
@@ -18,13 +21,28 @@ def latent_numel(cfg) -> int:
     return channels * frames * (cfg.model.height // factor) * (cfg.model.width // factor)
 
 
+def _tree_numbers(cfg, trees_per_process: int) -> dict[str, float]:
+    """Per-process rollout and training numbers of BranchGRPO trees at iteration 0."""
+    from diffrl.algorithms.tree_credit import trained_edge_counts
+    from diffrl.sampling.tree import TreeSpec
+
+    spec = TreeSpec.from_config(cfg)
+    kinds = step_kinds(cfg.sampling, spec.num_steps, 0, always_sde=spec.split_steps)
+    counts = [trees_per_process * c for c in trained_edge_counts(spec, kinds, cfg.tree, 0)]
+    # as diffrl.passes.edge_major: timestep_fraction keeps that share of each step's edges
+    trained = sum(max(1, math.ceil(cfg.objective.timestep_fraction * c)) for c in counts if c)
+    return {"nodes": trees_per_process * sum(spec.nodes_at(d) for d in range(spec.num_steps + 1)),
+            "nfe": trees_per_process * spec.nfe_per_tree(), "trained": trained,
+            "sde_steps": sum(k != "ode" for k in kinds)}
+
+
 def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     """Every number a user should sanity-check before launching a run."""
     samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     per_process = samples / num_processes
     steps = cfg.sampling.num_steps
-    window = cfg.sampling.sde_window or [0, steps]
-    sde_steps = 0 if cfg.sampling.sde_type == "ode" else window[1] - window[0]
+    kinds = step_kinds(cfg.sampling, steps, 0)
+    sde_steps = sum(k != "ode" for k in kinds)
     trained_steps = max(1, math.ceil(cfg.objective.timestep_fraction * sde_steps)) if sde_steps else 0
     cfg_mult = 2 if _uses_cfg(cfg) else 1
     micro_batches = math.ceil(per_process / cfg.train.micro_batch_size)
@@ -32,6 +50,16 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     # trajectory buffers: latents (T+1) + means (T) + step noise (T), fp32
     traj_bytes = per_process * (3 * steps + 1) * latent_numel(cfg) * 4
     ref_mult = 2 if cfg.objective.kl_coef > 0 else 1
+    rollout_nfe, trained_rows = samples * steps, samples * trained_steps
+    if cfg.rollout.strategy == "tree":
+        if cfg.rollout.prompts_per_step % num_processes:
+            raise ConfigError(f"rollout.strategy tree keeps each prompt's tree on one process: make "
+                              f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) divisible by the "
+                              f"{num_processes} processes")
+        tree = _tree_numbers(cfg, cfg.rollout.prompts_per_step // num_processes)
+        rollout_nfe, trained_rows = tree["nfe"] * num_processes, tree["trained"] * num_processes
+        sde_steps, trained_steps = tree["sde_steps"], trained_rows / samples
+        traj_bytes = 3 * tree["nodes"] * latent_numel(cfg) * 4  # latents, means, noise per node
     return {
         "processes": num_processes,
         "prompts_per_step": cfg.rollout.prompts_per_step,
@@ -40,11 +68,13 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
         "samples_per_process": per_process,
         "denoising_steps": steps,
         "sde_steps": sde_steps,
-        "trained_steps_per_sample": trained_steps,
-        "rollout_nfe_per_iteration": samples * steps,
-        "rollout_transformer_rows_per_iteration": samples * steps * cfg_mult,
-        "training_transformer_rows_per_iteration": samples * trained_steps * cfg.train.num_inner_epochs
-        * cfg_mult * ref_mult,
+        "trained_steps_per_sample": float(trained_steps),
+        "rollout_nfe_per_iteration": rollout_nfe,
+        "rollout_nfe_per_leaf": rollout_nfe / samples,
+        "rollout_nfe_vs_independent": rollout_nfe / (samples * steps),
+        "rollout_transformer_rows_per_iteration": rollout_nfe * cfg_mult,
+        "trained_transitions_per_iteration": trained_rows,
+        "training_transformer_rows_per_iteration": trained_rows * cfg.train.num_inner_epochs * cfg_mult * ref_mult,
         "optimizer_steps_per_iteration": opt_steps,
         "optimizer_steps_total": opt_steps * cfg.train.max_steps,
         "trajectory_buffer_mib_per_process": traj_bytes / 2**20,
@@ -55,6 +85,6 @@ def format_plan(numbers: dict[str, float]) -> str:
     width = max(len(k) for k in numbers)
     lines = ["run plan:"]
     for k, v in numbers.items():
-        text = f"{v:.1f}" if isinstance(v, float) and not v.is_integer() else f"{int(v)}"
+        text = f"{v:.3g}" if isinstance(v, float) and not v.is_integer() else f"{int(v)}"
         lines.append(f"  {k:<{width}}  {text}")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from diffrl import checkpoint as ckpt
 from diffrl.algorithms import compute_advantages, get_objective
+from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
 from diffrl.data import load_prompts, plan_step
 from diffrl.evaluation import evaluate
@@ -26,7 +27,7 @@ from diffrl.metrics import MetricsLogger
 from diffrl.models import build_adapter
 from diffrl.plan import derive, format_plan
 from diffrl.policy import EMA, Policy
-from diffrl.sampling import get_strategy
+from diffrl.sampling import TreeTrajectory, get_strategy
 from diffrl.summary import before_after
 from diffrl.update import UpdateCounters, Updater
 from rewards.combine import MultiReward
@@ -96,7 +97,7 @@ class Trainer:
         cond = self.adapter.encode_prompts(local.prompts)
         t0 = time.time()
         with torch.no_grad(), self.acc.autocast():
-            traj = self.strategy(self.adapter, self.adapter.transformer, cond, local.keys, self.cfg)
+            traj = self.strategy(self.adapter, self.adapter.transformer, cond, local.keys, self.cfg, iteration=step)
         t1 = time.time()
         total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
         timing = {"time/rollout": t1 - t0, "time/reward": time.time() - t1}
@@ -111,18 +112,37 @@ class Trainer:
                                  self.cfg.advantage.filter_zero_std, all_comps, self.reward_fn.weights)
         return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction
 
+    def tree_advantages(self, traj, total, comps, step: int):
+        """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""
+        dev = self.acc.device
+
+        def gather(t):
+            return self.acc.gather(t.to(dev)).cpu()
+
+        credit = tree_credit(traj, total, comps, self.cfg, step, self.reward_fn.weights, gather,
+                             self.acc.process_index)
+        counts = gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
+        stats = {"tree/edges_trained": int(counts[0]), "tree/edges": int(counts[1])}  # all processes
+        return gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.train, stats
+
     def train_step(self, step: int) -> dict:
         plan, sl, cond, traj, total, comps, logs, timing = self.rollout_and_score(step)
-        all_total, adv, keep, filtered = self.advantages(plan, sl, total, comps)
+        train, extra = None, {}
+        if isinstance(traj, TreeTrajectory):
+            all_total, adv, keep, filtered, train, extra = self.tree_advantages(traj, total, comps, step)
+        else:
+            all_total, adv, keep, filtered = self.advantages(plan, sl, total, comps)
+        nfe = int(self.acc.gather(torch.tensor([traj.nfe], device=self.acc.device)).sum())  # all processes
         metrics = {"reward/mean": all_total.mean(), "reward/std": all_total.std(unbiased=False),
-                   "advantage/filtered_fraction": filtered, "rollout/nfe": traj.nfe, **timing}
+                   "advantage/filtered_fraction": filtered, "rollout/nfe": nfe,
+                   "rollout/nfe_per_leaf": nfe / len(all_total), **extra, **timing}
         for name, values in logs.items():
             metrics[f"reward/{name}/mean"] = self.acc.gather(values.to(self.acc.device)).mean()
         if not bool(torch.isfinite(all_total).all()):
             self.counters.skipped_nonfinite_reward += 1
         else:
             t0 = time.time()
-            metrics.update(self.updater.run(traj, cond, adv, keep, step))
+            metrics.update(self.updater.run(traj, cond, adv, keep, step, train))
             metrics["time/update"] = time.time() - t0
         metrics.update({"skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
                         "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,

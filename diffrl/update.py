@@ -1,9 +1,9 @@
 """The policy-update stage: replay stored trajectories through the objective.
 
-For each inner epoch, the process's samples are shuffled (keyed by seed and step, so a
-resumed run shuffles identically), split into micro-batches, and every micro-batch is
-trained on a keyed subset of the trainable denoising steps. Gradients accumulate over
-``train.gradient_accumulation`` micro-batches per optimizer step.
+For each inner epoch, :mod:`diffrl.passes` lays the iteration's transitions out into
+forward passes and optimizer steps (keyed by seed and step, so a resumed run shuffles
+identically): micro-batches of samples for independent trajectories, per-step batches of
+edges for trees.
 
 A non-finite loss or gradient norm on any process skips that optimizer step on every
 process (the gradient is discarded and the skip is counted), so a blow-up is never
@@ -13,14 +13,13 @@ applied.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from diffrl.algorithms.flow_grpo import LossContext, StepBatch
-from diffrl.sampling import rng
+from diffrl.passes import Pass, edge_major, sample_major, train_timesteps  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -36,15 +35,6 @@ class UpdateCounters:
 
     def load_state_dict(self, state: dict) -> None:
         self.__dict__.update(state)
-
-
-def train_timesteps(trainable: list[int], fraction: float, *key) -> list[int]:
-    """A keyed random subset of ceil(fraction * len) trainable steps, in time order."""
-    k = max(1, math.ceil(fraction * len(trainable)))
-    if k >= len(trainable):
-        return list(trainable)
-    perm = torch.randperm(len(trainable), generator=rng.generator(*key))[:k]
-    return sorted(trainable[i] for i in perm.tolist())
 
 
 def _any_process(accelerator, flag: bool) -> bool:
@@ -73,30 +63,33 @@ class Updater:
 
         return LossContext(policy_velocity, reference_velocity, self.cfg.objective, self.cfg.sampling.noise_level)
 
-    def run(self, traj, cond, advantages: torch.Tensor, keep: torch.Tensor, step: int) -> dict[str, float]:
+    def run(self, traj, cond, advantages: torch.Tensor, keep: torch.Tensor, step: int,
+            train: torch.Tensor | None = None) -> dict[str, float]:
+        """Update on ``traj``. Independent trajectories index ``advantages``/``keep`` by
+        sample; trees index them by node and pass ``train``, the edges to backpropagate."""
         cfg = self.cfg
         ctx = self.loss_context()
-        n = len(traj.keys)
-        trainable = traj.trainable_steps()
-        if not trainable:
-            raise ValueError("no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty")
+        if train is None:
+            trainable = traj.trainable_steps()
+            if not trainable:
+                raise ValueError("no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty")
+
+            def plan(epoch):
+                return sample_major(len(traj.keys), trainable, cfg, step, epoch)
+        else:
+            def plan(epoch):
+                return edge_major(train, traj.depth, traj.num_leaves, cfg, step, epoch)
         totals: dict[str, list[float]] = defaultdict(list)
-        mb, accum = cfg.train.micro_batch_size, cfg.train.gradient_accumulation
         for epoch in range(cfg.train.num_inner_epochs):
-            order = torch.randperm(n, generator=rng.generator(cfg.seed, "shuffle", step, epoch)).tolist()
-            batches = [order[i:i + mb] for i in range(0, n, mb)]
-            for start in range(0, len(batches), accum):
-                group = batches[start:start + accum]
-                self._optimizer_step(ctx, traj, cond, advantages, keep, group, trainable, (step, epoch, start), totals)
+            for passes in plan(epoch):
+                self._optimizer_step(ctx, traj, cond, advantages, keep, passes, totals)
         return {k: sum(v) / len(v) for k, v in totals.items()}
 
-    def _optimizer_step(self, ctx, traj, cond, advantages, keep, group, trainable, key, totals) -> None:
-        """Accumulate gradients over the micro-batches in ``group``, then step once."""
+    def _optimizer_step(self, ctx, traj, cond, advantages, keep, passes: list[Pass], totals) -> None:
+        """Accumulate gradients over ``passes``, then step once."""
         bad = False
-        passes = [(idx, t) for j, idx in enumerate(group)
-                  for t in train_timesteps(trainable, self.cfg.objective.timestep_fraction, self.cfg.seed, "t", *key, j)]
-        for i, (idx, t) in enumerate(passes):
-            batch = self._step_batch(traj, cond, advantages, keep, idx, t)
+        for i, p in enumerate(passes):
+            batch = self._step_batch(traj, cond, advantages, keep, p)
             last = i == len(passes) - 1
             sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
@@ -104,7 +97,8 @@ class Updater:
             if _any_process(self.acc, not bool(torch.isfinite(loss))):
                 bad = True
             if not bad:
-                self.acc.backward(loss / len(passes))
+                num, den = p.share
+                self.acc.backward(loss * num / den if num != 1 else loss / den)
             for k, v in stats.items():
                 totals[k].append(float(v))
         grad_norm = None
@@ -124,13 +118,14 @@ class Updater:
         if grad_norm is not None:
             totals["grad_norm"].append(float(grad_norm))
 
-    def _step_batch(self, traj, cond, advantages, keep, idx, t) -> StepBatch:
-        device = self.acc.device
-        ix = torch.as_tensor(idx)
+    def _step_batch(self, traj, cond, advantages, keep, p: Pass) -> StepBatch:
+        device, t = self.acc.device, p.t
+        x_t, x_next, old_log_prob, cond_rows = traj.transition(p.rows, t)
+        ix = torch.as_tensor(p.rows)
         sigmas = traj.sigmas.to(device)
         return StepBatch(
-            x_t=traj.latents[ix, t].to(device), x_next=traj.latents[ix, t + 1].to(device),
-            sigma=sigmas[t], sigma_next=sigmas[t + 1], sigma_1=float(traj.sigmas[1]) if len(traj.sigmas) > 1 else None,
-            kind=traj.step_kinds[t], old_log_prob=traj.log_probs[ix, t].to(device),
-            advantages=advantages[ix].to(device), cond=cond.select(idx), weights=keep[ix].float().to(device),
+            x_t=x_t.to(device), x_next=x_next.to(device), sigma=sigmas[t], sigma_next=sigmas[t + 1],
+            sigma_1=float(traj.sigmas[1]) if len(traj.sigmas) > 1 else None, kind=traj.step_kinds[t],
+            old_log_prob=old_log_prob.to(device), advantages=advantages[ix].to(device), cond=cond.select(cond_rows),
+            weights=keep[ix].float().to(device), noise_level=traj.noise_levels[t] if traj.noise_levels else None,
         )

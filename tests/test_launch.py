@@ -86,3 +86,27 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     w2 = load_file(str(tmp_path / "two" / "checkpoints" / "step-1" / "trainable.safetensors"))
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
+    """BranchGRPO over gloo: each process holds whole trees; one tree per process gives
+    the same rewards and updated weights as both trees in one process (every edge in the
+    one optimizer step, edge-weighted loss: DDP's mean of per-process means is the mean).
+    One row per rollout forward in both runs: batching 2 trees or 1 moves latents by ~5e-7,
+    enough to flip a pixel's rounding and the JPEG reward."""
+    common = ["scripts/train.py", "--config", "tiny_flux_branchgrpo", "--set", "train.max_steps=1",
+              "--set", "checkpoint.every=1", "--set", "train.gradient_accumulation=1", "--set", "rollout.batch_size=1"]
+    one = _run(TORCHRUN + ["1", *common, "--set", "train.micro_batch_size=16", "--set", f"output_dir={tmp_path / 'one'}"],
+               ACCELERATE_USE_CPU="true")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _run(TORCHRUN + ["2", *common, "--set", "train.micro_batch_size=8", "--set", f"output_dir={tmp_path / 'two'}"],
+               ACCELERATE_USE_CPU="true")
+    assert two.returncode == 0, two.stderr[-3000:]
+    r1, r2 = _rows(tmp_path / "one")[-1], _rows(tmp_path / "two")[-1]
+    for key in ("reward/mean", "reward/std", "rollout/nfe"):
+        assert r1[key] == pytest.approx(r2[key], rel=1e-6, abs=1e-9), key
+    w1 = load_file(str(tmp_path / "one" / "checkpoints" / "step-1" / "trainable.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "checkpoints" / "step-1" / "trainable.safetensors"))
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-5)

@@ -8,6 +8,7 @@ import torch
 
 from diffrl.trainer import Trainer
 from tests.conftest import FAMILIES
+from tests.helpers import fit_until_killed
 
 
 def _params(trainer):
@@ -32,10 +33,6 @@ def test_two_steps_change_parameters_with_finite_loss(family, tiny_cfg):
     assert (trainer.cfg.run_dir / "config.yaml").is_file()
 
 
-class _Killed(Exception):
-    pass
-
-
 def test_resume_equivalence(tiny_cfg, tmp_path):
     """4 uninterrupted steps == 2 steps, killed, then resumed for 2 (params within 1e-6)."""
     overrides = ("train.max_steps=4", "checkpoint.every=2", "optim.scheduler=cosine", "optim.warmup_steps=1",
@@ -44,16 +41,7 @@ def test_resume_equivalence(tiny_cfg, tmp_path):
     full.fit()
 
     killed = Trainer(tiny_cfg("flux", *overrides, f"output_dir={tmp_path / 'killed'}"))
-    original = killed.train_step
-
-    def dies_at_third(step):
-        if step == 2:
-            raise _Killed
-        return original(step)
-
-    killed.train_step = dies_at_third
-    with pytest.raises(_Killed):
-        killed.fit()
+    fit_until_killed(killed, 2)
     resumed = Trainer(tiny_cfg("flux", *overrides, f"output_dir={tmp_path / 'killed'}"))
     resumed.resume("latest")
     assert resumed.step == 2

@@ -36,6 +36,7 @@ class StepBatch:
     advantages: torch.Tensor  # (B,)
     cond: Conditioning
     weights: torch.Tensor | None = None  # (B,) 1 = train on the sample, 0 = masked out
+    noise_level: float | None = None  # the step rule's noise level at this step (None: the context's)
 
 
 def masked_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -59,10 +60,11 @@ class LossContext:
 def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio loss (+ KL) for one step of a micro-batch; returns (loss, stats)."""
     ocfg = ctx.objective_cfg
+    level = ctx.noise_level if batch.noise_level is None else batch.noise_level
     b = batch.x_t.shape[0]
     sigma_b = batch.sigma.expand(b)
     v = ctx.policy_velocity(batch.x_t, sigma_b, batch.cond)
-    new = step(batch.kind, batch.x_t, v, batch.sigma, batch.sigma_next, ctx.noise_level,
+    new = step(batch.kind, batch.x_t, v, batch.sigma, batch.sigma_next, level,
                sigma_1=batch.sigma_1, next_latents=batch.x_next, reduction=ocfg.logprob_reduction)
     log_ratio = new.log_prob - batch.old_log_prob
     ratio = torch.exp(log_ratio)
@@ -81,7 +83,7 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         with torch.no_grad():
             v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        ref = step(batch.kind, batch.x_t, v_ref, batch.sigma, batch.sigma_next, ctx.noise_level,
+        ref = step(batch.kind, batch.x_t, v_ref, batch.sigma, batch.sigma_next, level,
                    sigma_1=batch.sigma_1, next_latents=batch.x_next, reduction=ocfg.logprob_reduction)
         kl = masked_mean(gaussian_kl(new.mean, ref.mean.detach(), new.std, new.std_t, ocfg.kl_type,
                                      ocfg.logprob_reduction), w)

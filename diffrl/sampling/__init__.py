@@ -1,16 +1,19 @@
 """Samplers: SDE/ODE steps with log-prob, keyed RNG, and rollout strategies by name.
 
 A rollout strategy has the signature
-``strategy(adapter, transformer, cond, keys, cfg) -> Trajectory`` so that the trainer
-can swap independent rollouts for a tree sampler or a low-precision pool.
+``strategy(adapter, transformer, cond, keys, cfg, iteration=0)`` returning a
+:class:`Trajectory` (independent paths) or a :class:`TreeTrajectory` (BranchGRPO), so
+that the trainer can swap independent rollouts for a tree sampler or a low-precision
+pool. ``iteration`` places sliding SDE windows.
 """
 
 from __future__ import annotations
 
 from diffrl.sampling.rollout import Trajectory, rollout_independent
 from diffrl.sampling.sde import STEP_KINDS, gaussian_kl, gaussian_log_prob, step
+from diffrl.sampling.tree import TreeSpec, TreeTrajectory, rollout_tree
 
-_STRATEGIES = {"independent": rollout_independent}
+_STRATEGIES = {"independent": rollout_independent, "tree": rollout_tree}
 
 
 def register_strategy(name: str, fn) -> None:
@@ -28,4 +31,5 @@ def get_strategy(name: str):
 
 
 __all__ = ["STEP_KINDS", "Trajectory", "available_strategies", "gaussian_kl", "gaussian_log_prob",
-           "get_strategy", "register_strategy", "rollout_independent", "step"]
+           "get_strategy", "register_strategy", "rollout_independent", "rollout_tree", "step", "TreeSpec",
+           "TreeTrajectory"]

@@ -13,6 +13,7 @@ import torch
 
 from diffrl.sampling import rng
 from diffrl.sampling.sde import step
+from diffrl.sampling.windows import step_kinds
 
 
 @dataclass
@@ -35,6 +36,11 @@ class Trajectory:
     nfe: int = 0  # transformer evaluations spent (a CFG forward counts once per batch row)
     images: torch.Tensor | None = None  # decoded x_T, [0, 1]
     extras: dict = field(default_factory=dict)
+    noise_levels: list[float] | None = None  # (T,) step-rule noise level per step (tree splits may scale it)
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.keys)
 
     @property
     def num_steps(self) -> int:
@@ -44,12 +50,17 @@ class Trajectory:
         """Steps with a stochastic transition (std > 0): only these have a policy ratio."""
         return [t for t in range(self.num_steps) if self.step_kinds[t] != "ode" and bool((self.stds[:, t] > 0).all())]
 
+    def transition(self, rows, t: int):
+        """(x_t, x_next, old log-prob, conditioning rows) of samples ``rows`` at step t."""
+        ix = torch.as_tensor(rows)
+        return self.latents[ix, t], self.latents[ix, t + 1], self.log_probs[ix, t], [int(i) for i in ix.tolist()]
+
     def select(self, index) -> Trajectory:
         idx = torch.as_tensor(index, dtype=torch.long)
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("sigmas", "step_kinds", "nfe", "extras"):
+            if f.name in ("sigmas", "step_kinds", "nfe", "extras", "noise_levels"):
                 out[f.name] = value
             elif f.name == "keys":
                 out[f.name] = [value[i] for i in idx.tolist()]
@@ -65,7 +76,7 @@ class Trajectory:
         out = {}
         for f in fields(first):
             values = [getattr(p, f.name) for p in parts]
-            if f.name in ("sigmas", "step_kinds", "extras"):
+            if f.name in ("sigmas", "step_kinds", "extras", "noise_levels"):
                 out[f.name] = values[0]
             elif f.name == "nfe":
                 out[f.name] = sum(values)
@@ -78,12 +89,6 @@ class Trajectory:
         return Trajectory(**out)
 
 
-def step_kinds(sampling_cfg, num_steps: int) -> list[str]:
-    """The step rule per step: the configured SDE inside ``sde_window`` and ODE outside."""
-    window = sampling_cfg.sde_window or [0, num_steps]
-    return [sampling_cfg.sde_type if window[0] <= t < window[1] else "ode" for t in range(num_steps)]
-
-
 def initial_noise(shape, keys) -> torch.Tensor:
     return rng.randn_batch(shape, keys, "init")
 
@@ -93,20 +98,29 @@ def step_noise(shape, keys, t: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def denoise(adapter, transformer, cond, keys, sigmas, kinds, noise_level, reduction="mean") -> Trajectory:
-    """Run one batch of independent paths from their keyed initial noise to x_T."""
+def denoise(adapter, transformer, cond, keys, sigmas, kinds, noise_levels, reduction="mean",
+            init_noise: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> Trajectory:
+    """Run one batch of independent paths to x_T.
+
+    Noise is drawn from each path's key unless given: ``init_noise`` (B, *shape) and
+    ``noise`` (B, T, *shape) replay stored draws (a tree path, a BF16 regeneration).
+    ``noise_levels`` is one float for every step, or one per step.
+    """
     device = adapter.device
     shape = adapter.latent_shape()
-    x = initial_noise(shape, keys).to(device)
     b, n = len(keys), len(kinds)
+    levels = [float(noise_levels)] * n if isinstance(noise_levels, (int, float)) else [float(a) for a in noise_levels]
+    x = (initial_noise(shape, keys) if init_noise is None else init_noise.float()).to(device)
     sigma_1 = float(sigmas[1]) if len(sigmas) > 1 else None
     latents, means, noises = [x], [], []
     log_probs, stds, std_ts = (torch.zeros(b, n, device=device) for _ in range(3))
     for t, kind in enumerate(kinds):
         v = adapter.velocity(transformer, x, sigmas[t].expand(b).to(device), cond)
-        eps = torch.zeros_like(x) if kind == "ode" else step_noise(shape, keys, t).to(device)
-        res = step(kind, x, v, sigmas[t], sigmas[t + 1], noise_level, sigma_1=sigma_1, noise=eps,
-                   reduction=reduction)
+        if kind == "ode":
+            eps = torch.zeros_like(x)
+        else:
+            eps = (step_noise(shape, keys, t) if noise is None else noise[:, t].float()).to(device)
+        res = step(kind, x, v, sigmas[t], sigmas[t + 1], levels[t], sigma_1=sigma_1, noise=eps, reduction=reduction)
         x = res.next_latents
         latents.append(x)
         means.append(res.mean)
@@ -115,20 +129,21 @@ def denoise(adapter, transformer, cond, keys, sigmas, kinds, noise_level, reduct
     return Trajectory(
         latents=torch.stack(latents, 1), means=torch.stack(means, 1), log_probs=log_probs, stds=stds,
         std_ts=std_ts, sigmas=sigmas.cpu(), step_kinds=list(kinds), step_noise=torch.stack(noises, 1),
-        keys=list(keys), nfe=b * n,
+        keys=list(keys), nfe=b * n, noise_levels=levels,
     )
 
 
 def rollout_independent(adapter, transformer, cond, keys, cfg, num_steps: int | None = None,
-                        kinds: list[str] | None = None) -> Trajectory:
+                        kinds: list[str] | None = None, iteration: int = 0) -> Trajectory:
     """Independent rollouts for ``keys`` in chunks of ``cfg.rollout.batch_size``, decoded.
 
     ``cond`` holds one row per key. Each path's noise depends only on its key, so the
-    result is the same whatever the chunking (tested).
+    result is the same whatever the chunking (tested). ``iteration`` places a sliding
+    SDE window (see :mod:`diffrl.sampling.windows`).
     """
     n = num_steps or cfg.sampling.num_steps
     sigmas = adapter.sigmas(n).float()
-    kinds = kinds or step_kinds(cfg.sampling, n)
+    kinds = kinds or step_kinds(cfg.sampling, n, iteration)
     parts = []
     bs = cfg.rollout.batch_size
     for start in range(0, len(keys), bs):

@@ -1,0 +1,176 @@
+"""Credit assignment on trees: BranchGRPO (Li et al. 2025, Sec. 3.2-3.3).
+
+* **Reward fusion** (Sec. 3.2): leaves keep their reward; an internal node gets the
+  mean of its leaves (``mean``), or the softmax(child-edge log-prob / T)-weighted mean
+  of its children's fused rewards (``prob_weighted``), applied bottom-up.
+* **Depth-wise advantages** (Sec. 3.2): fused rewards are normalised among the nodes of
+  one tree at one depth, with any core estimator (``group``, ``median``,
+  ``decoupled``, ...): the (tree, depth) pair is the group. The edge into a node trains
+  with that node's advantage. Stds are population stds (the reference uses ddof=1).
+* **Pruning** (Sec. 3.3) removes edges from backprop only; the rollout, the rewards and
+  the fused values are computed from the full tree.
+
+  - *Width*: after the last split each node has one leaf below it; the edges after the
+    last split (steps > last split) are kept only for the best + worst leaves of each
+    tree (``best_worst``) or for the best of each sibling set of the last split
+    (``best_per_branch``).
+  - *Depth*: edges at the listed denoising steps are skipped; with
+    ``depth_pruning_slide_every = k`` the set moves one step earlier every k iterations,
+    down to ``depth_pruning_stop``. (The reference counts the child's depth, step + 1.)
+
+Edges that can never carry signal are not trained either: ODE edges (no ratio) and the
+trunk above the first split, where a tree has one node per depth (its depth-wise
+advantage is always 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffrl.algorithms.advantages import compute_advantages
+
+
+def fuse_rewards(tree, leaf_values: torch.Tensor, mode: str = "mean", temperature: float = 1.0) -> torch.Tensor:
+    """Node values (N, K) from leaf values (L, K) in leaf order, bottom-up."""
+    spec, p = tree.spec, tree.num_trees
+    out = torch.zeros(tree.depth.numel(), leaf_values.shape[1], dtype=torch.float64)
+    below = leaf_values.double()
+    out[tree.depth == spec.num_steps] = below
+    for d in range(spec.num_steps - 1, -1, -1):
+        b = spec.factors[d]
+        children = below.reshape(p * spec.nodes_at(d), b, -1)
+        if mode == "mean" or b == 1:
+            # balanced tree: the mean of the children's leaf means is the mean of the leaves
+            below = children.mean(1)
+        elif mode == "prob_weighted":
+            lp = tree.log_probs[tree.depth == d + 1].double().cpu().reshape(-1, b)
+            below = (torch.softmax(lp / temperature, dim=1).unsqueeze(-1) * children).sum(1)
+        else:
+            raise ValueError(f"unknown tree.reward_fusion '{mode}'; valid: mean, prob_weighted")
+        out[tree.depth == d] = below
+    return out
+
+
+def depth_pruned_steps(tree_cfg, iteration: int) -> set[int]:
+    """The denoising steps whose edges skip backprop at ``iteration``."""
+    steps = sorted(tree_cfg.depth_pruning)
+    if not steps:
+        return set()
+    shift = 0
+    if tree_cfg.depth_pruning_slide_every > 0:
+        shift = min(iteration // tree_cfg.depth_pruning_slide_every, max(0, steps[0] - tree_cfg.depth_pruning_stop))
+    return {s - shift for s in steps}
+
+
+def width_kept_leaves(tree, leaf_rewards: torch.Tensor, mode: str, fraction: float) -> torch.Tensor:
+    """(L,) bool: leaves whose post-last-split edges are trained."""
+    n = tree.num_leaves
+    if mode == "none" or tree.spec.last_split < 0:
+        return torch.ones(n, dtype=torch.bool)
+    if mode == "best_worst":
+        size = tree.spec.leaves
+        keep = max(2, int(size * fraction))
+        best, worst = keep // 2, keep - keep // 2
+        groups = leaf_rewards.reshape(-1, size)
+    elif mode == "best_per_branch":
+        size = tree.spec.factors[tree.spec.last_split]
+        best, worst = max(1, int(size * fraction)), 0
+        groups = leaf_rewards.reshape(-1, size)
+    else:
+        raise ValueError(f"unknown tree.width_pruning '{mode}'; valid: none, best_worst, best_per_branch")
+    # stable sort by reward, ties by leaf order, so the choice is deterministic
+    order = torch.sort(groups.double(), dim=1, descending=True, stable=True).indices
+    chosen = torch.zeros_like(groups, dtype=torch.bool)
+    rows = torch.arange(groups.shape[0]).unsqueeze(1)
+    chosen[rows, order[:, :best]] = True
+    if worst:
+        chosen[rows, order[:, size - worst:]] = True
+    return chosen.flatten()
+
+
+def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: nodes whose incoming edge is backpropagated this iteration."""
+    spec = tree.spec
+    step_of = tree.depth - 1
+    stochastic = torch.tensor([k != "ode" for k in tree.step_kinds] + [False])[step_of.clamp(min=0)]
+    single = torch.tensor([spec.nodes_at(d) == 1 for d in range(spec.num_steps + 1)])[tree.depth]
+    mask = (tree.depth >= 1) & stochastic & (tree.stds.cpu() > 0) & ~single
+    pruned = depth_pruned_steps(tree_cfg, iteration)
+    if pruned:
+        mask &= ~torch.isin(step_of, torch.tensor(sorted(pruned)))
+    if tree_cfg.width_pruning != "none" and spec.last_split >= 0:
+        kept = width_kept_leaves(tree, leaf_rewards, tree_cfg.width_pruning, tree_cfg.width_keep_fraction)
+        after = step_of > spec.last_split
+        # after the last split a node's ordinal is its leaf's ordinal
+        leaf_of = tree.tree * spec.leaves + tree.ordinal
+        mask &= ~after | kept[leaf_of.clamp(max=tree.num_leaves - 1)]
+    return mask
+
+
+def trained_edge_counts(spec, kinds: list[str], tree_cfg, iteration: int = 0) -> list[int]:
+    """Closed form of the trained edges of one tree per step (the run plan uses it; a test
+    checks it against :func:`trained_edges`)."""
+    pruned = depth_pruned_steps(tree_cfg, iteration)
+    width = tree_cfg.width_pruning != "none" and spec.last_split >= 0
+    if tree_cfg.width_pruning == "best_worst":
+        kept = max(2, int(spec.leaves * tree_cfg.width_keep_fraction))
+    elif width:
+        b = spec.factors[spec.last_split]
+        kept = max(1, int(b * tree_cfg.width_keep_fraction)) * (spec.leaves // b)
+    counts = []
+    for t, kind in enumerate(kinds):
+        n = spec.nodes_at(t + 1)
+        if kind == "ode" or n == 1 or t in pruned:
+            counts.append(0)
+        else:
+            counts.append(kept if width and t > spec.last_split else n)
+    return counts
+
+
+@dataclass
+class TreeCredit:
+    """Per-node training inputs for the edge into each node."""
+
+    advantages: torch.Tensor  # (N,) depth-wise advantage
+    keep: torch.Tensor  # (N,) bool: not filtered for zero variance (masked, still forwarded)
+    train: torch.Tensor  # (N,) bool: edge is forwarded and backpropagated
+    node_rewards: torch.Tensor  # (N,) fused combined reward
+    filtered_fraction: float
+
+
+def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=None, gather=None,
+                rank: int = 0) -> TreeCredit:
+    """Fuse rewards, normalise per (tree, depth) with the configured estimator, prune.
+
+    ``gather`` concatenates a per-process tensor over processes (so that ``decoupled``'s
+    batch normalisation sees every tree); this process's block is ``rank``.
+    """
+    tcfg, acfg = cfg.tree, cfg.advantage
+    values = torch.cat([leaf_total.reshape(-1, 1), leaf_components.reshape(len(leaf_total), -1)], 1).cpu()
+    fused = fuse_rewards(tree, values, tcfg.reward_fusion, tcfg.fusion_temperature)
+    n = fused.shape[0]
+    groups = (tree.tree + rank * tree.num_trees) * (tree.num_steps + 1) + tree.depth
+    if gather is not None:
+        fused, groups = gather(fused), gather(groups)
+    informative = groups % (tree.num_steps + 1) > 0  # roots have no incoming edge
+    adv = compute_advantages(fused[informative, 0], groups[informative], acfg.estimator, acfg.eps,
+                             acfg.filter_zero_std, fused[informative, 1:], weights)
+    full_adv = torch.zeros(len(groups))
+    full_keep = torch.zeros(len(groups), dtype=torch.bool)
+    full_adv[informative], full_keep[informative] = adv.values, adv.keep
+    sl = slice(rank * n, (rank + 1) * n) if gather is not None else slice(0, n)
+    train = trained_edges(tree, tcfg, iteration, leaf_total.cpu())
+    filtered = _zero_variance_share(fused[:, 0], groups, tree)
+    return TreeCredit(full_adv[sl], full_keep[sl], train, fused[sl, 0].float(), filtered)
+
+
+def _zero_variance_share(values: torch.Tensor, groups: torch.Tensor, tree) -> float:
+    """Share of (tree, depth) groups with several nodes whose fused rewards are all equal
+    (single-node depths are structural, not filtered)."""
+    depth = groups % (tree.num_steps + 1)
+    multi = torch.tensor([tree.spec.nodes_at(d) > 1 for d in range(tree.num_steps + 1)])[depth]
+    ids = torch.unique(groups[multi])
+    flat = sum(1 for g in ids.tolist() if bool((values[groups == g] == values[groups == g][0]).all()))
+    return flat / max(len(ids), 1)

@@ -1,0 +1,255 @@
+"""Tree rollouts: BranchGRPO (Li et al. 2025, "BranchGRPO", Sec. 3.1, branching scheme).
+
+Every leaf of one prompt starts from the same initial noise. At the configured split
+steps each node draws one noise per child, so the tree has prod(branch factors) leaves;
+between splits a node advances with the step rule (SDE inside the window, ODE outside,
+splits always stochastic). Shared prefixes are computed once, and all active nodes of
+all trees go through the transformer together (in chunks of ``rollout.batch_size``
+rows).
+
+Layout: nodes are stored level-major (all depth-0 roots, then depth 1, ...), and within
+a level tree-major, then by *ordinal* (the node's index among its tree's nodes at that
+depth). The children of ordinal j at a step with factor b are ordinals j*b ... j*b+b-1,
+so parents, siblings and leaf ancestors follow in closed form, and a leaf's ordinal is
+its sample index in the group.
+
+Replay is exact: the root noise is the key of sample 0, ``(*root, 0, "init")``, and the
+edge into a node at depth t+1 with ordinal j draws ``(*root, j, "sde", t)``. With factor 1
+everywhere that is exactly the independent sampler's draw for sample 0 (tested bit for
+bit), and any stored root-to-leaf path replays through :func:`rollout.denoise`.
+
+Split-noise scale: the step rule's noise level is multiplied by ``split_noise_scale`` at
+split steps, so the drift correction and the log-prob both use the scaled std (the
+transition stays a proper SDE step). The reference code scales only the drawn noise and
+keeps the unscaled std in the log-prob.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diffrl.sampling import rng
+from diffrl.sampling.rollout import Trajectory, initial_noise
+from diffrl.sampling.sde import step
+from diffrl.sampling.windows import step_kinds
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The branching schedule of one tree: ``factors[t]`` children per node at step t."""
+
+    factors: tuple[int, ...]
+    split_noise_scale: float = 1.0
+
+    @classmethod
+    def build(cls, num_steps: int, split_steps, branch_factors, split_noise_scale: float = 1.0) -> TreeSpec:
+        splits = list(split_steps)
+        per_split = list(branch_factors) * len(splits) if len(branch_factors) == 1 else list(branch_factors)
+        factors = [1] * num_steps
+        for s, f in zip(splits, per_split):
+            factors[s] = int(f)
+        return cls(tuple(factors), float(split_noise_scale))
+
+    @classmethod
+    def from_config(cls, cfg) -> TreeSpec:
+        return cls.build(cfg.sampling.num_steps, cfg.tree.split_steps, cfg.tree.branch_factors, cfg.tree.split_noise_scale)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.factors)
+
+    @property
+    def split_steps(self) -> list[int]:
+        return [t for t, f in enumerate(self.factors) if f > 1]
+
+    @property
+    def last_split(self) -> int:
+        return max(self.split_steps, default=-1)
+
+    def nodes_at(self, depth: int) -> int:
+        """Nodes per tree at ``depth`` (depth t holds x_t; the root is depth 0)."""
+        return math.prod(self.factors[:depth])
+
+    @property
+    def leaves(self) -> int:
+        return self.nodes_at(self.num_steps)
+
+    def nfe_per_tree(self) -> int:
+        """Closed form: step t evaluates the transformer once per node at depth t."""
+        return sum(self.nodes_at(t) for t in range(self.num_steps))
+
+    def noise_levels(self, base: float) -> list[float]:
+        return [base * (self.split_noise_scale if f > 1 else 1.0) for f in self.factors]
+
+    def layout(self, num_trees: int) -> dict[str, torch.Tensor]:
+        """depth, tree, ordinal and parent (-1 for roots) of every node, level-major."""
+        depth, tree, ordinal, parent = [], [], [], []
+        offset = 0
+        for d in range(self.num_steps + 1):
+            n = self.nodes_at(d)
+            depth.append(torch.full((num_trees * n,), d))
+            tree.append(torch.arange(num_trees).repeat_interleave(n))
+            ordinal.append(torch.arange(n).repeat(num_trees))
+            if d == 0:
+                parent.append(torch.full((num_trees,), -1))
+            else:
+                prev = self.nodes_at(d - 1)
+                parent.append(offset - num_trees * prev + tree[-1] * prev + ordinal[-1] // self.factors[d - 1])
+            offset += num_trees * n
+        return {k: torch.cat(v) for k, v in
+                (("depth", depth), ("tree", tree), ("ordinal", ordinal), ("parent", parent))}
+
+
+@dataclass
+class TreeTrajectory:
+    """All nodes of a batch of trees (N nodes, L = trees * leaves leaves).
+
+    Per-node edge fields describe the transition *into* the node from its parent (they
+    are zero for roots). ``noise`` holds the initial noise for roots and the eps drawn on
+    the incoming edge otherwise (zeros on ODE edges).
+    """
+
+    latents: torch.Tensor  # (N, *shape) fp32
+    means: torch.Tensor  # (N, *shape) mean of the incoming transition
+    log_probs: torch.Tensor  # (N,) log-prob of the incoming transition under the rollout policy
+    stds: torch.Tensor  # (N,) transition std (0 for ODE edges and roots)
+    std_ts: torch.Tensor  # (N,) the step rule's noise scale (for the flow_grpo KL variant)
+    noise: torch.Tensor  # (N, *shape)
+    parent: torch.Tensor  # (N,) long, -1 for roots
+    depth: torch.Tensor  # (N,) long: the node holds x_depth; the incoming edge is step depth - 1
+    tree: torch.Tensor  # (N,) long, local tree index
+    ordinal: torch.Tensor  # (N,) long, index among the tree's nodes at this depth
+    sigmas: torch.Tensor  # (T+1,)
+    step_kinds: list[str]  # (T,)
+    noise_levels: list[float]  # (T,)
+    spec: TreeSpec
+    root_keys: list[tuple]  # (P,) key prefix of each tree
+    cond_rows: list[int]  # (P,) row of each tree in the caller's conditioning (its first leaf)
+    keys: list[tuple]  # (L,) leaf keys, tree-major: (*root, leaf ordinal)
+    nfe: int = 0
+    images: torch.Tensor | None = None  # (L, ...) decoded leaves, in ``keys`` order
+
+    @property
+    def num_trees(self) -> int:
+        return len(self.root_keys)
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_steps(self) -> int:
+        return self.spec.num_steps
+
+    def leaf_nodes(self) -> torch.Tensor:
+        return torch.nonzero(self.depth == self.num_steps).flatten()
+
+    def paths(self, leaves=None) -> torch.Tensor:
+        """(B, T+1) node indices of the root-to-leaf path of each leaf (default: all)."""
+        nodes = self.leaf_nodes() if leaves is None else self.leaf_nodes()[torch.as_tensor(leaves)]
+        cols = [nodes]
+        for _ in range(self.num_steps):
+            cols.append(self.parent[cols[-1]])
+        return torch.stack(cols[::-1], 1)
+
+    def path_trajectory(self, leaves=None) -> Trajectory:
+        """Root-to-leaf paths as an independent :class:`Trajectory` (shared prefixes
+        duplicated): what a replay or a per-sample consumer reads."""
+        p = self.paths(leaves)
+        child = p[:, 1:]
+        idx = torch.arange(self.num_leaves) if leaves is None else torch.as_tensor(leaves)
+        return Trajectory(
+            latents=self.latents[p], means=self.means[child], log_probs=self.log_probs[child],
+            stds=self.stds[child], std_ts=self.std_ts[child], sigmas=self.sigmas, step_kinds=list(self.step_kinds),
+            step_noise=self.noise[child], keys=[self.keys[i] for i in idx.tolist()], nfe=0,
+            images=None if self.images is None else self.images[idx], noise_levels=list(self.noise_levels),
+        )
+
+    def transition(self, rows, t: int):
+        """(x_t, x_next, old log-prob, conditioning rows) of the edges into nodes ``rows``."""
+        ix = torch.as_tensor(rows)
+        cond_rows = [self.cond_rows[k] for k in self.tree[ix].tolist()]
+        return self.latents[self.parent[ix]], self.latents[ix], self.log_probs[ix], cond_rows
+
+
+def trees_from_keys(keys, leaves: int) -> tuple[list[tuple], list[int]]:
+    """Group per-leaf keys ``(*root, leaf)`` into trees; each tree must list its leaves
+    0..leaves-1 contiguously (the sample plan's group-major order)."""
+    roots, rows = [], []
+    for start in range(0, len(keys), leaves):
+        block = keys[start:start + leaves]
+        root = tuple(block[0][:-1])
+        if len(block) != leaves or [tuple(k[:-1]) for k in block] != [root] * leaves \
+                or [k[-1] for k in block] != list(range(leaves)):
+            raise ValueError(f"tree rollouts need {leaves} consecutive samples per prompt with indices "
+                             f"0..{leaves - 1}; got keys {block[:3]}... (is rollout.group_size the tree's leaf count, "
+                             "and does every process hold whole prompts?)")
+        roots.append(root)
+        rows.append(start)
+    return roots, rows
+
+
+def _velocity_chunks(adapter, transformer, x, sigma, cond, cond_rows, batch_size: int) -> torch.Tensor:
+    outs = []
+    for s in range(0, x.shape[0], batch_size):
+        rows = cond_rows[s:s + batch_size]
+        outs.append(adapter.velocity(transformer, x[s:s + batch_size], sigma.expand(len(rows)), cond.select(rows)))
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec: TreeSpec | None = None) -> TreeTrajectory:
+    """Grow one tree per prompt group in ``keys`` (``cond`` has one row per key) and decode
+    the leaves. ``spec`` defaults to the config's ``tree`` section."""
+    spec = spec or TreeSpec.from_config(cfg)
+    roots, cond_rows = trees_from_keys(list(keys), spec.leaves)
+    n_steps, p = spec.num_steps, len(roots)
+    device, shape = adapter.device, adapter.latent_shape()
+    sigmas = adapter.sigmas(n_steps).float()
+    sigma_1 = float(sigmas[1]) if n_steps > 0 else None
+    kinds = step_kinds(cfg.sampling, n_steps, iteration, always_sde=spec.split_steps)
+    levels = spec.noise_levels(cfg.sampling.noise_level)
+    lay = spec.layout(p)
+
+    x = initial_noise(shape, [(*r, 0) for r in roots]).to(device)
+    zeros = torch.zeros(p, device=device)
+    latents, means, noises = [x], [torch.zeros_like(x)], [x]
+    log_probs, stds, std_ts = [zeros], [zeros], [zeros]
+    nfe = 0
+    for t, kind in enumerate(kinds):
+        here = lay["depth"] == t
+        tree_of, ord_of = lay["tree"][here], lay["ordinal"][here]
+        v = _velocity_chunks(adapter, transformer, x, sigmas[t].to(device), cond,
+                             [cond_rows[k] for k in tree_of.tolist()], cfg.rollout.batch_size)
+        nfe += x.shape[0]
+        b = spec.factors[t]
+        child_tree = tree_of.repeat_interleave(b)
+        child_ord = ord_of.repeat_interleave(b) * b + torch.arange(b).repeat(len(ord_of))
+        if kind == "ode":
+            eps = torch.zeros((len(child_ord), *shape), device=device)
+        else:
+            eps = rng.randn_batch(shape, [(*roots[k], j) for k, j in zip(child_tree.tolist(), child_ord.tolist())],
+                                  "sde", t).to(device)
+        res = step(kind, x.repeat_interleave(b, 0), v.repeat_interleave(b, 0), sigmas[t], sigmas[t + 1], levels[t],
+                   sigma_1=sigma_1, noise=eps, reduction=cfg.objective.logprob_reduction)
+        x = res.next_latents
+        latents.append(x)
+        means.append(res.mean)
+        noises.append(eps)
+        log_probs.append(res.log_prob)
+        stds.append(res.std)
+        std_ts.append(res.std_t)
+    traj = TreeTrajectory(
+        latents=torch.cat(latents), means=torch.cat(means), log_probs=torch.cat(log_probs), stds=torch.cat(stds),
+        std_ts=torch.cat(std_ts), noise=torch.cat(noises), parent=lay["parent"], depth=lay["depth"],
+        tree=lay["tree"], ordinal=lay["ordinal"], sigmas=sigmas.cpu(), step_kinds=kinds, noise_levels=levels,
+        spec=spec, root_keys=roots, cond_rows=cond_rows, keys=[(*r, j) for r in roots for j in range(spec.leaves)],
+        nfe=nfe,
+    )
+    leaves = traj.latents[traj.leaf_nodes()]
+    bs = cfg.rollout.batch_size
+    traj.images = torch.cat([adapter.decode(leaves[s:s + bs]).float() for s in range(0, len(leaves), bs)])
+    return traj
