@@ -385,6 +385,15 @@ def _validate_tree(cfg: Config) -> None:
                           "tree.width_keep_fraction in (0, 1]")
     if not all(0 <= d < steps for d in tree.depth_pruning):
         raise ConfigError(f"tree.depth_pruning must list step indices in [0, {steps}), got {tree.depth_pruning}")
+    if tree.depth_pruning_slide_every < 0 or not 0 <= tree.depth_pruning_stop < steps:
+        raise ConfigError(f"tree.depth_pruning_slide_every must be >= 0 and tree.depth_pruning_stop in [0, {steps})")
+    if cfg.sampling.sde_type == "cps" and (cfg.sampling.noise_level * tree.split_noise_scale > 1 or steps - 1 in splits):
+        # cps: std = sigma_next sin(a pi / 2) grows with a only up to a = 1, and is 0 at the last step
+        raise ConfigError("with sampling.sde_type cps, sampling.noise_level * tree.split_noise_scale must be <= 1 "
+                          f"and no split may be at the last step ({steps - 1})")
+    if tree.reward_fusion == "prob_weighted" and cfg.objective.logprob_reduction == "sum":
+        raise ConfigError("tree.reward_fusion prob_weighted needs objective.logprob_reduction mean: with sum, the "
+                          "softmax over sibling log-probs puts all weight on the child with the smallest noise draw")
 
 
 def to_dict(cfg) -> dict:

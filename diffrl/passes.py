@@ -10,12 +10,15 @@ transitions.
   trained on a keyed subset of the trainable steps (``objective.timestep_fraction``),
   as flow_grpo does.
 * Trees (:func:`edge_major`): the trained edges of each step are shuffled and spread
-  evenly over the optimizer steps, so every optimizer step sees every step, and the
-  number of passes depends only on per-step edge counts, which are the same on every
-  process (DDP needs the same forwards everywhere). ``timestep_fraction`` keeps that
-  share of each step's edges. With ``tree.loss_weighting: edge`` every edge weighs the
-  same in the loss (BranchGRPO), so wide late steps dominate; with ``depth`` each step's
-  edges share an equal part, as each step does for independent rollouts.
+  evenly over the optimizer steps (a step with fewer edges than optimizer steps fills
+  them round-robin from a step-dependent offset; an optimizer step left with no edge at
+  all is dropped). The number of passes depends only on per-step edge counts, which are
+  the same on every process (DDP needs the same forwards everywhere).
+  ``timestep_fraction`` keeps that share of each step's edges. Shares count the edges
+  that are not masked (zero-variance groups, median pivots), so with
+  ``tree.loss_weighting: edge`` every kept edge of an optimizer step weighs the same
+  (BranchGRPO), and wide late steps dominate; with ``depth`` each step present in the
+  optimizer step gets an equal part, as each step does for independent rollouts.
 
 Both give the same number of optimizer steps per epoch for the same number of samples
 (leaves): ceil(ceil(samples / micro_batch_size) / gradient_accumulation).
@@ -64,24 +67,42 @@ def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int) -> li
     return groups
 
 
-def edge_major(train: torch.Tensor, depth: torch.Tensor, num_leaves: int, cfg, step: int, epoch: int) -> list[list[Pass]]:
+def edge_major(train: torch.Tensor, depth: torch.Tensor, num_leaves: int, cfg, step: int, epoch: int,
+               keep: torch.Tensor | None = None) -> list[list[Pass]]:
     """Passes over the nodes with ``train`` set (each node stands for its incoming edge,
-    at step depth - 1)."""
+    at step depth - 1); ``keep`` marks the ones whose loss is not masked out."""
     n_groups = optimizer_steps_per_epoch(num_leaves, cfg)
-    per_group: list[list[torch.Tensor]] = [[] for _ in range(n_groups)]
+    keep = torch.ones_like(train) if keep is None else keep.bool()
+    per_group: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_groups)]
     steps = sorted(set((depth[train] - 1).tolist()))
     for t in steps:
         edges = torch.nonzero(train & (depth - 1 == t)).flatten()
         perm = torch.randperm(len(edges), generator=rng.generator(cfg.seed, "edges", step, epoch, t))
         edges = edges[perm[:max(1, math.ceil(cfg.objective.timestep_fraction * len(edges)))]]
-        for g, part in enumerate(torch.tensor_split(edges, n_groups)):
-            per_group[g].append(part)
+        for i, part in enumerate(torch.tensor_split(edges, n_groups)):
+            if len(part):
+                per_group[(i + t) % n_groups].append((t, part))
     groups = []
-    mb, by_depth = cfg.train.micro_batch_size, cfg.tree.loss_weighting == "depth"
     for parts in per_group:
-        total, filled = sum(len(p) for p in parts), sum(1 for p in parts if len(p))
-        passes = [Pass(p[i:i + mb].tolist(), t, (len(p[i:i + mb]), len(p) * filled if by_depth else total))
-                  for t, p in zip(steps, parts) for i in range(0, len(p), mb)]
-        if passes:
-            groups.append(passes)
+        if parts:
+            groups.append(_group_passes(parts, keep, cfg))
     return groups
+
+
+def _group_passes(parts: list[tuple[int, torch.Tensor]], keep: torch.Tensor, cfg) -> list[Pass]:
+    """Chunk one optimizer step's per-step edge sets into passes of at most
+    ``micro_batch_size`` rows, with shares by kept-edge counts."""
+    mb = cfg.train.micro_batch_size
+    kept = [int(keep[p].sum()) for _, p in parts]
+    total, filled = sum(kept), sum(1 for k in kept if k)
+    passes = []
+    for (t, part), part_kept in zip(parts, kept):
+        for i in range(0, len(part), mb):
+            chunk = part[i:i + mb]
+            num = int(keep[chunk].sum())
+            if cfg.tree.loss_weighting == "depth":
+                den = part_kept * filled
+            else:
+                den = total
+            passes.append(Pass(chunk.tolist(), t, (num, max(den, 1))))
+    return passes

@@ -31,6 +31,9 @@ def _tree_numbers(cfg, trees_per_process: int) -> dict[str, float]:
     counts = [trees_per_process * c for c in trained_edge_counts(spec, kinds, cfg.tree, 0)]
     # as diffrl.passes.edge_major: timestep_fraction keeps that share of each step's edges
     trained = sum(max(1, math.ceil(cfg.objective.timestep_fraction * c)) for c in counts if c)
+    if not trained:
+        raise ConfigError("the tree trains no edge at iteration 0: tree.depth_pruning, the SDE window and the "
+                          "single-node trunk before the first split leave nothing; prune fewer steps")
     return {"nodes": trees_per_process * sum(spec.nodes_at(d) for d in range(spec.num_steps + 1)),
             "nfe": trees_per_process * spec.nfe_per_tree(), "trained": trained,
             "sde_steps": sum(k != "ode" for k in kinds)}
@@ -85,6 +88,9 @@ def format_plan(numbers: dict[str, float]) -> str:
     width = max(len(k) for k in numbers)
     lines = ["run plan:"]
     for k, v in numbers.items():
-        text = f"{v:.3g}" if isinstance(v, float) and not v.is_integer() else f"{int(v)}"
+        if isinstance(v, float) and not v.is_integer():
+            text = f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}"
+        else:
+            text = f"{int(v)}"
         lines.append(f"  {k:<{width}}  {text}")
     return "\n".join(lines)

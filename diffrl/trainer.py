@@ -122,7 +122,8 @@ class Trainer:
         credit = tree_credit(traj, total, comps, self.cfg, step, self.reward_fn.weights, gather,
                              self.acc.process_index)
         counts = gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
-        stats = {"tree/edges_trained": int(counts[0]), "tree/edges": int(counts[1])}  # all processes
+        # all processes; edges left after pruning, before objective.timestep_fraction subsamples them
+        stats = {"tree/edges_after_pruning": int(counts[0]), "tree/edges": int(counts[1])}
         return gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.train, stats
 
     def train_step(self, step: int) -> dict:

@@ -77,8 +77,11 @@ class Updater:
             def plan(epoch):
                 return sample_major(len(traj.keys), trainable, cfg, step, epoch)
         else:
+            if not bool(train.any()):  # everything pruned at this iteration: nothing to update
+                return {}
+
             def plan(epoch):
-                return edge_major(train, traj.depth, traj.num_leaves, cfg, step, epoch)
+                return edge_major(train, traj.depth, traj.num_leaves, cfg, step, epoch, keep)
         totals: dict[str, list[float]] = defaultdict(list)
         for epoch in range(cfg.train.num_inner_epochs):
             for passes in plan(epoch):
@@ -98,6 +101,7 @@ class Updater:
                 bad = True
             if not bad:
                 num, den = p.share
+                # num == 1: divide only, as before shares existed (keeps old runs bitwise equal)
                 self.acc.backward(loss * num / den if num != 1 else loss / den)
             for k, v in stats.items():
                 totals[k].append(float(v))

@@ -103,7 +103,9 @@ def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
     two = _run(TORCHRUN + ["2", *common, "--set", "train.micro_batch_size=8", "--set", f"output_dir={tmp_path / 'two'}"],
                ACCELERATE_USE_CPU="true")
     assert two.returncode == 0, two.stderr[-3000:]
+    assert "processes                                2" in two.stdout, "the run did not start 2 processes"
     r1, r2 = _rows(tmp_path / "one")[-1], _rows(tmp_path / "two")[-1]
+    assert r1["optimizer_steps"] == r2["optimizer_steps"] == 1 and r1["grad_norm"] > 0
     for key in ("reward/mean", "reward/std", "rollout/nfe"):
         assert r1[key] == pytest.approx(r2[key], rel=1e-6, abs=1e-9), key
     w1 = load_file(str(tmp_path / "one" / "checkpoints" / "step-1" / "trainable.safetensors"))

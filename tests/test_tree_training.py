@@ -34,8 +34,9 @@ def test_two_tree_steps_change_parameters_with_finite_loss(name, tmp_path):
     prompts = trainer.cfg.rollout.prompts_per_step
     assert history[-1]["rollout/nfe"] == prompts * spec.nfe_per_tree()
     assert history[-1]["rollout/nfe_per_leaf"] == spec.nfe_per_tree() / spec.leaves
-    assert 0 < history[-1]["tree/edges_trained"] <= history[-1]["tree/edges"]
-    assert history[-1]["tree/edges_trained"] == trainer.numbers["trained_transitions_per_iteration"]
+    assert 0 < history[-1]["tree/edges_after_pruning"] <= history[-1]["tree/edges"]
+    # equal to the plan's trained transitions because timestep_fraction is 1 here
+    assert history[-1]["tree/edges_after_pruning"] == trainer.numbers["trained_transitions_per_iteration"]
 
 
 def _rollout(trainer, step=0):
@@ -119,6 +120,9 @@ def test_run_plan_reports_tree_nfe():
     assert numbers["trained_transitions_per_iteration"] == 16 * (2 + 4 + 8 + 16)
     with pytest.raises(ConfigError, match="divisible by the 3 processes"):
         derive(cfg, num_processes=3)
+    everything_pruned = load_config("toy_branchgrpo", ["tree.depth_pruning=[0,1,2,3]"])
+    with pytest.raises(ConfigError, match="trains no edge"):
+        derive(everything_pruned)
 
 
 def test_tree_run_resumes_to_the_same_weights(tmp_path):

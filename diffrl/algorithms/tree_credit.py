@@ -2,7 +2,11 @@
 
 * **Reward fusion** (Sec. 3.2): leaves keep their reward; an internal node gets the
   mean of its leaves (``mean``), or the softmax(child-edge log-prob / T)-weighted mean
-  of its children's fused rewards (``prob_weighted``), applied bottom-up.
+  of its children's fused rewards (``prob_weighted``), applied bottom-up. Siblings share
+  their transition mean and std, so their log-prob difference is -(|eps_a|^2 -
+  |eps_b|^2) / 2 (divided by the element count under the ``mean`` reduction): the
+  weights favour the child whose noise draw was smaller, and are close to uniform under
+  ``mean``. That is the reference's definition; ``sum`` is refused by the config check.
 * **Depth-wise advantages** (Sec. 3.2): fused rewards are normalised among the nodes of
   one tree at one depth, with any core estimator (``group``, ``median``,
   ``decoupled``, ...): the (tree, depth) pair is the group. The edge into a node trains
@@ -104,8 +108,8 @@ def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor) ->
         kept = width_kept_leaves(tree, leaf_rewards, tree_cfg.width_pruning, tree_cfg.width_keep_fraction)
         after = step_of > spec.last_split
         # after the last split a node's ordinal is its leaf's ordinal
-        leaf_of = tree.tree * spec.leaves + tree.ordinal
-        mask &= ~after | kept[leaf_of.clamp(max=tree.num_leaves - 1)]
+        leaf_of = torch.where(after, tree.tree * spec.leaves + tree.ordinal, torch.zeros_like(tree.ordinal))
+        mask &= ~after | kept[leaf_of]
     return mask
 
 
@@ -154,7 +158,10 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
     groups = (tree.tree + rank * tree.num_trees) * (tree.num_steps + 1) + tree.depth
     if gather is not None:
         fused, groups = gather(fused), gather(groups)
-    informative = groups % (tree.num_steps + 1) > 0  # roots have no incoming edge
+    # roots have no incoming edge, and single-node depths (the trunk) always get 0: leave
+    # both out, or they would pull down the batch std of decoupled / global estimators
+    depth = groups % (tree.num_steps + 1)
+    informative = torch.tensor([tree.spec.nodes_at(d) > 1 for d in range(tree.num_steps + 1)])[depth]
     adv = compute_advantages(fused[informative, 0], groups[informative], acfg.estimator, acfg.eps,
                              acfg.filter_zero_std, fused[informative, 1:], weights)
     full_adv = torch.zeros(len(groups))

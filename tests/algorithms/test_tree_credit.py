@@ -151,6 +151,16 @@ def test_best_worst_width_pruning_keeps_exactly_the_extreme_leaves():
     assert int(mask.sum()) == 2 + 4 + 2 + 2
 
 
+def test_width_pruning_maps_post_split_edges_to_their_own_tree_and_leaf():
+    tree = hand_tree((2, 2, 1), num_trees=2)
+    rewards = torch.tensor([1.0, 3.0, 2.0, 6.0, 9.0, 0.0, 5.0, 4.0])  # tree 1: best leaf 0, worst leaf 1
+    mask = trained_edges(tree, tree_cfg(width_pruning="best_worst"), 0, rewards)
+    last = tree.depth == 3  # the only step after the last split (step 2)
+    expected = {(0, 0), (0, 3), (1, 0), (1, 1)}  # (tree, leaf ordinal) kept
+    got = {(int(k), int(j)) for k, j, m in zip(tree.tree[last], tree.ordinal[last], mask[last]) if m}
+    assert got == expected
+
+
 def test_best_per_branch_keeps_the_best_sibling():
     tree = hand_tree((2, 2, 1))
     kept = width_kept_leaves(tree, torch.tensor([1.0, 3.0, 6.0, 2.0]), "best_per_branch", 0.5)

@@ -160,10 +160,14 @@ def test_independent_rollout_follows_the_sliding_window():
     ("tree.branch_factors=[2,2]", "one per split step"),
     ("sampling.sde_type=ode", "stochastic step"),
     ("tree.depth_pruning=[7]", "depth_pruning"),
+    ("tree.depth_pruning_stop=-1", "depth_pruning_stop"),
+    ("sampling.sde_type=cps", "noise_level \\* tree.split_noise_scale"),  # a = 0.7 x scale 2 > 1
+    ("objective.logprob_reduction=sum", "prob_weighted needs"),
 ])
 def test_tree_config_errors_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
-        _cfg("toy", "rollout.strategy=tree", "rollout.group_size=8", "tree.split_steps=[0,1,2]", override)
+        _cfg("toy", "rollout.strategy=tree", "rollout.group_size=8", "tree.split_steps=[0,1,2]",
+             "tree.split_noise_scale=2.0", "tree.reward_fusion=prob_weighted", override)
 
 
 def test_on_policy_ratio_is_one_on_every_tree_edge_including_scaled_splits():
