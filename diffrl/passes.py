@@ -14,11 +14,13 @@ transitions.
   them round-robin from a step-dependent offset; an optimizer step left with no edge at
   all is dropped). The number of passes depends only on per-step edge counts, which are
   the same on every process (DDP needs the same forwards everywhere).
-  ``timestep_fraction`` keeps that share of each step's edges. Shares count the edges
-  that are not masked (zero-variance groups, median pivots), so with
-  ``tree.loss_weighting: edge`` every kept edge of an optimizer step weighs the same
-  (BranchGRPO), and wide late steps dominate; with ``depth`` each step present in the
-  optimizer step gets an equal part, as each step does for independent rollouts.
+  ``timestep_fraction`` keeps that share of each step's edges. Masked edges (zero-
+  variance groups, median pivots) count as zero losses. With ``tree.loss_weighting:
+  edge`` every edge of an optimizer step weighs the same (BranchGRPO), and wide late
+  steps dominate; with ``depth`` each step present in the optimizer step gets an equal
+  part, as each step does for independent rollouts. (Normalising by kept edges instead
+  let the few kept edges of a mostly masked early step carry a whole step's weight, and
+  ShapeWorld training fell apart: docs/BENCHMARKS.md.)
 
 Both give the same number of optimizer steps per epoch for the same number of samples
 (leaves): ceil(ceil(samples / micro_batch_size) / gradient_accumulation).
@@ -91,18 +93,16 @@ def edge_major(train: torch.Tensor, depth: torch.Tensor, num_leaves: int, cfg, s
 
 def _group_passes(parts: list[tuple[int, torch.Tensor]], keep: torch.Tensor, cfg) -> list[Pass]:
     """Chunk one optimizer step's per-step edge sets into passes of at most
-    ``micro_batch_size`` rows, with shares by kept-edge counts."""
+    ``micro_batch_size`` rows. The objective averages over a pass's kept rows, so the
+    share's numerator is the kept count and its denominator counts every edge: a masked
+    edge weighs as a zero loss, and the result does not depend on how edges fall into
+    passes."""
     mb = cfg.train.micro_batch_size
-    kept = [int(keep[p].sum()) for _, p in parts]
-    total, filled = sum(kept), sum(1 for k in kept if k)
+    total = sum(len(p) for _, p in parts)
     passes = []
-    for (t, part), part_kept in zip(parts, kept):
+    for t, part in parts:
+        den = len(part) * len(parts) if cfg.tree.loss_weighting == "depth" else total
         for i in range(0, len(part), mb):
             chunk = part[i:i + mb]
-            num = int(keep[chunk].sum())
-            if cfg.tree.loss_weighting == "depth":
-                den = part_kept * filled
-            else:
-                den = total
-            passes.append(Pass(chunk.tolist(), t, (num, max(den, 1))))
+            passes.append(Pass(chunk.tolist(), t, (int(keep[chunk].sum()), den)))
     return passes

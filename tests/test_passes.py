@@ -66,3 +66,19 @@ def test_sample_plan_steps_once_per_accumulated_micro_batches():
     groups = sample_major(100, [0, 1, 2, 3], cfg, 0, 0)
     assert len(groups) == optimizer_steps_per_epoch(100, cfg) == 3
     assert sorted(r for g in groups for p in g if p.t == 0 for r in p.rows) == list(range(100))
+
+
+@pytest.mark.parametrize("weighting", ["edge", "depth"])
+def test_masked_edges_weigh_as_zero_losses(weighting):
+    """The objective averages over a pass's kept rows; shares of kept / all edges make
+    every kept edge of a step weigh 1 / (edges), whatever the pass composition."""
+    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    mask, depth = _mask(0)
+    keep = torch.rand(len(mask), generator=torch.Generator().manual_seed(1)) > 0.3
+    for g in edge_major(mask, depth, 256, cfg, 0, 0, keep):
+        edges = {t: sum(len(p.rows) for p in g if p.t == t) for t in {p.t for p in g}}
+        for p in g:
+            kept = int(keep[p.rows].sum())
+            assert p.share[0] == kept
+            per_edge = Fraction(1, edges[p.t] * len(edges)) if weighting == "depth" else Fraction(1, sum(edges.values()))
+            assert Fraction(*p.share) == kept * per_edge
