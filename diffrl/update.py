@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from diffrl.algorithms.flow_grpo import LossContext, StepBatch
-from diffrl.passes import Pass, edge_major, sample_major, train_timesteps  # noqa: F401  (re-exported)
+from diffrl.passes import Pass, edge_major, sample_major
 
 
 @dataclass
