@@ -52,20 +52,25 @@ def fake_fp8(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
     return round_e4m3(x / scale) * scale
 
 
-def nvfp4_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor scale, E4M3 block scales of shape (..., blocks)) of ``x`` (fp32)."""
+def nvfp4_scales(x: torch.Tensor, per_sample: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor scale, E4M3 block scales of shape (..., blocks)) of ``x`` (fp32). With
+    ``per_sample`` the "tensor" scale is taken per index of dim 0 (activations: a sample's
+    numerics then do not depend on what else is in the batch)."""
     blocks = _blocks(x.float())
-    amax = blocks.abs().amax()
+    if per_sample:
+        amax = blocks.abs().reshape(blocks.shape[0], -1).amax(dim=1).reshape(-1, *[1] * (blocks.ndim - 2))
+    else:
+        amax = blocks.abs().amax()
     tensor_scale = amax / (E2M1_MAX * E4M3_MAX)
     safe = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
     block_scale = round_e4m3(blocks.abs().amax(dim=-1) / (E2M1_MAX * safe))
     return tensor_scale, block_scale
 
 
-def fake_nvfp4(x: torch.Tensor) -> torch.Tensor:
+def fake_nvfp4(x: torch.Tensor, per_sample: bool = False) -> torch.Tensor:
     """NVFP4 quantize-dequantize along the last dim (zero-padded to a multiple of 16)."""
     shape, n = x.shape, x.shape[-1]
-    tensor_scale, block_scale = nvfp4_scales(x)
+    tensor_scale, block_scale = nvfp4_scales(x, per_sample)
     scale = (block_scale * tensor_scale).unsqueeze(-1)  # (..., blocks, 1)
     blocks = _blocks(x.float())
     q = torch.where(scale > 0, round_e2m1(blocks / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale,
