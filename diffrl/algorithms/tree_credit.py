@@ -99,8 +99,7 @@ def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor) ->
     spec = tree.spec
     step_of = tree.depth - 1
     stochastic = torch.tensor([k != "ode" for k in tree.step_kinds] + [False])[step_of.clamp(min=0)]
-    single = torch.tensor([spec.nodes_at(d) == 1 for d in range(spec.num_steps + 1)])[tree.depth]
-    mask = (tree.depth >= 1) & stochastic & (tree.stds.cpu() > 0) & ~single
+    mask = (tree.depth >= 1) & stochastic & (tree.stds.cpu() > 0) & spec.branched(tree.depth)
     pruned = depth_pruned_steps(tree_cfg, iteration)
     if pruned:
         mask &= ~torch.isin(step_of, torch.tensor(sorted(pruned)))
@@ -160,8 +159,7 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
         fused, groups = gather(fused), gather(groups)
     # roots have no incoming edge, and single-node depths (the trunk) always get 0: leave
     # both out, or they would pull down the batch std of decoupled / global estimators
-    depth = groups % (tree.num_steps + 1)
-    informative = torch.tensor([tree.spec.nodes_at(d) > 1 for d in range(tree.num_steps + 1)])[depth]
+    informative = tree.spec.branched(groups % (tree.num_steps + 1))
     adv = compute_advantages(fused[informative, 0], groups[informative], acfg.estimator, acfg.eps,
                              acfg.filter_zero_std, fused[informative, 1:], weights)
     full_adv = torch.zeros(len(groups))
@@ -176,8 +174,7 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
 def _zero_variance_share(values: torch.Tensor, groups: torch.Tensor, tree) -> float:
     """Share of (tree, depth) groups with several nodes whose fused rewards are all equal
     (single-node depths are structural, not filtered)."""
-    depth = groups % (tree.num_steps + 1)
-    multi = torch.tensor([tree.spec.nodes_at(d) > 1 for d in range(tree.num_steps + 1)])[depth]
+    multi = tree.spec.branched(groups % (tree.num_steps + 1))
     ids = torch.unique(groups[multi])
     flat = sum(1 for g in ids.tolist() if bool((values[groups == g] == values[groups == g][0]).all()))
     return flat / max(len(ids), 1)

@@ -73,6 +73,12 @@ class TreeSpec:
         """Nodes per tree at ``depth`` (depth t holds x_t; the root is depth 0)."""
         return math.prod(self.factors[:depth])
 
+    def branched(self, depth: torch.Tensor) -> torch.Tensor:
+        """Bool per entry of ``depth``: the tree has more than one node there (a depth with
+        one node, the trunk before the first split, always gets a zero advantage)."""
+        table = torch.tensor([self.nodes_at(d) > 1 for d in range(self.num_steps + 1)])
+        return table[depth]
+
     @property
     def leaves(self) -> int:
         return self.nodes_at(self.num_steps)
