@@ -1,5 +1,20 @@
-"""Low-precision exploration copies (Sol-RL): reference quantizers exact to the formats."""
+"""Low-precision exploration copies (Sol-RL): reference quantizers exact to the formats,
+per-family keep-high lists, and the modelopt / torchao backends."""
 
+from diffrl.quant.backends import build_exploration_copy, choose_backend, detect_hardware
+from diffrl.quant.exploration import ExplorationCopy
 from diffrl.quant.formats import fake_fp8, fake_nvfp4, nvfp4_scales, round_e2m1, round_e4m3
+from diffrl.quant.keep_high import default_keep_high
 
-__all__ = ["fake_fp8", "fake_nvfp4", "nvfp4_scales", "round_e2m1", "round_e4m3"]
+__all__ = [
+    "ExplorationCopy",
+    "build_exploration_copy",
+    "choose_backend",
+    "default_keep_high",
+    "detect_hardware",
+    "fake_fp8",
+    "fake_nvfp4",
+    "nvfp4_scales",
+    "round_e2m1",
+    "round_e4m3",
+]

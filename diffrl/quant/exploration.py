@@ -7,36 +7,62 @@ after every optimizer step.
 * ``fp8``: weights E4M3 per output row, activations E4M3 per sample.
 * ``bf16``: the control; merged weights, no quantization.
 
+Quantized layers are the ``nn.Linear`` layers and the 1x1 ``nn.Conv2d`` layers (stride
+1, no padding, one group: a linear layer applied to every pixel, as in SANA's GLUMBConv
+``conv_inverted`` / ``conv_point``). For those the weight is viewed as (out, in), and the
+input is moved channels-last before quantization, so NVFP4's blocks of 16 run along the
+input channels, the dimension the matmul reduces over, exactly as for a linear layer.
+Other convolutions (patch embeddings, SANA's depthwise 3x3 ``conv_depth``) stay in high
+precision.
+
 Layers whose qualified name fully matches a ``keep_high`` pattern stay in high
 precision. Patterns are anchored regexes on purpose: a loose ``proj_out`` substring
-would also keep every FLUX single block's ``proj_out``.
+would also keep every FLUX single block's ``proj_out`` (see ``keep_high.py``).
 
 Sync recomputes every quantized weight (and so its amax and scales) from the current
 merged weights W + scale * B @ A; nothing is cached between syncs, so scales cannot go
-stale.
+stale. Every LoRA-wrapped layer, linear or conv, is merged (SANA's LoRA targets its 1x1
+convs).
 """
 
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 from torch import nn
 
 from diffrl.quant.formats import fake_fp8, fake_nvfp4
+from diffrl.quant.keep_high import split_keep_high
 
 PRECISIONS = ("nvfp4", "fp8", "bf16")
+# layers whose weights are loaded one by one at sync (LoRA merged); the rest is copied as is
+_WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A")
 
 
+def _base(module: nn.Module) -> nn.Module:
+    return module.base_layer if _is_lora_layer(module) else module
+
+
+def is_pointwise_conv(module: nn.Module) -> bool:
+    """A 1x1 Conv2d with stride 1, no padding and one group: per pixel, exactly a linear
+    layer over channels."""
+    return (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.stride == (1, 1)
+            and module.padding in ((0, 0), "valid") and module.groups == 1)
+
+
+def is_quantizable(module: nn.Module) -> bool:
+    """Whether the exploration copy quantizes this layer (unless it is kept high)."""
+    return isinstance(module, nn.Linear) or is_pointwise_conv(module)
+
+
 def merged_weight(module: nn.Module) -> torch.Tensor:
-    """The effective fp32 weight of a linear layer: base + every active LoRA delta."""
-    base = module.base_layer if _is_lora_layer(module) else module
-    weight = base.weight.detach().float()
+    """The effective fp32 weight of a layer: base + every active LoRA delta."""
+    weight = _base(module).weight.detach().float()
     if _is_lora_layer(module) and not module.disable_adapters:
         for name in module.active_adapters:
             if name in module.lora_A:
@@ -49,6 +75,9 @@ def _unwrapped_copy(transformer: nn.Module) -> nn.Module:
     model = copy.deepcopy(transformer)
     for name, module in list(model.named_modules()):
         if _is_lora_layer(module):
+            if not isinstance(module.base_layer, _WEIGHT_LAYERS):
+                raise NotImplementedError(f"LoRA on '{name}' ({type(module.base_layer).__name__}) is not merged "
+                                          "by the exploration copy; target linear or conv layers only")
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, module.base_layer)
@@ -62,44 +91,76 @@ def _activation_quantizer(precision: str):
     return lambda x: fake_fp8(x.reshape(x.shape[0], -1), per_row=True).reshape(x.shape).to(x.dtype)
 
 
+def _channels_last(quant):
+    """Wrap an activation quantizer for an (N, C, H, W) conv input: NVFP4 blocks run
+    along the last dim, so move the channels (the reduction dim) there and back."""
+    return lambda x: quant(x.movedim(1, -1)).movedim(-1, 1)
+
+
 class ExplorationCopy:
-    """A low-precision copy of a (possibly LoRA-wrapped) transformer."""
+    """A low-precision copy of a (possibly LoRA-wrapped) transformer, fake-quantized in
+    pure PyTorch (the ``reference`` backend). ``model`` is what exploration calls;
+    ``quantized`` lists the layers that run at ``precision`` (for ``bf16``, the ones
+    that would)."""
+
+    backend = "reference"
 
     def __init__(self, transformer: nn.Module, precision: str, keep_high=()):
         if precision not in PRECISIONS:
             raise ValueError(f"unknown exploration precision '{precision}'; valid: {', '.join(PRECISIONS)}")
-        self.precision = precision
+        self.precision, self.keep_high = precision, tuple(keep_high)
         self.model = _unwrapped_copy(transformer)
-        keep = [re.compile(p) for p in keep_high]
-        self.linear_names = [n for n, m in self.model.named_modules() if isinstance(m, nn.Linear)]
-        self.quantized = [n for n in self.linear_names if not any(p.fullmatch(n) for p in keep)]
-        if precision != "bf16":
-            quant = _activation_quantizer(precision)
-            for name in self.quantized:
-                self.model.get_submodule(name).register_forward_pre_hook(lambda _m, args: (quant(args[0]), *args[1:]))
+        self.layer_names = [n for n, m in self.model.named_modules() if isinstance(m, _WEIGHT_LAYERS)]
+        self.quantizable = [n for n in self.layer_names if is_quantizable(self.model.get_submodule(n))]
+        self.quantized, self.kept = split_keep_high(self.quantizable, self.keep_high)
+        self._quantized_set = set(self.quantized)
+        self._install_quantizers()
         self.sync(transformer)
 
+    @property
+    def module(self) -> nn.Module:
+        """The eager ``nn.Module`` holding the weights (``model`` may wrap it)."""
+        return self.model
+
+    def _install_quantizers(self) -> None:
+        """Forward pre-hooks that fake-quantize the input activations of quantized layers."""
+        if self.precision == "bf16":
+            return
+        quant = _activation_quantizer(self.precision)
+        for name in self.quantized:
+            layer = self.model.get_submodule(name)
+            fn = _channels_last(quant) if isinstance(layer, nn.Conv2d) else quant
+            layer.register_forward_pre_hook(lambda _m, args, fn=fn: (fn(args[0]), *args[1:]))
+
     def quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize a weight; a 1x1 conv's (out, in, 1, 1) is quantized as (out, in)."""
+        flat = weight.reshape(weight.shape[0], -1)
         if self.precision == "nvfp4":
-            return fake_nvfp4(weight)
+            return fake_nvfp4(flat).reshape(weight.shape)
         if self.precision == "fp8":
-            return fake_fp8(weight, per_row=True)
+            return fake_fp8(flat, per_row=True).reshape(weight.shape)
         return weight
+
+    def _write_layer(self, name: str, target: nn.Module, weight: torch.Tensor) -> None:
+        """Load one layer's merged fp32 weight into the copy (quantized if it is)."""
+        if name in self._quantized_set:
+            weight = self.quantize_weight(weight)
+        target.weight.copy_(weight.reshape(target.weight.shape).to(target.weight.dtype))
 
     @torch.no_grad()
     def sync(self, transformer: nn.Module) -> None:
         """Copy the current weights in (LoRA merged) and re-quantize them."""
         source = dict(transformer.named_modules())
-        quantized = set(self.quantized)
-        for name in self.linear_names:
-            target = self.model.get_submodule(name)
-            weight = merged_weight(source[name])
-            if name in quantized:
-                weight = self.quantize_weight(weight)
-            target.weight.copy_(weight.to(target.weight.dtype))
-        # everything else (norms, embeddings, biases) is copied as it is
-        own = self.model.state_dict()
-        done = {f"{n}.weight" for n in self.linear_names}
+        done = set()
+        for name in self.layer_names:
+            target = self.module.get_submodule(name)
+            self._write_layer(name, target, merged_weight(source[name]))
+            bias = _base(source[name]).bias
+            if bias is not None:
+                target.bias.copy_(bias.to(target.bias.dtype))
+            done |= {f"{name}.weight", f"{name}.bias"}
+        # everything else (norms, embeddings, scale-shift tables) is copied as it is
+        own = self.module.state_dict()
         for key, value in transformer.state_dict().items():
             key = key.replace(".base_layer.", ".")
             if "lora_" not in key and key in own and key not in done:

@@ -32,16 +32,20 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 value (ties to the even code), saturating at +-6, as fp32."""
+    """Nearest E2M1 value (ties to the even code), saturating at +-6, as fp32.
+
+    E2M1 is a float format, so rounding is ``torch.round`` (half to even) at the spacing
+    of each binade: 0.5 below 2, 1 in [2, 4), 2 from 4. In every binade the even
+    multiples of the spacing are exactly the even codes (0, 1, 2 | 2, 4 | 4, 6), so
+    round-half-even there is ties-to-even-code; a value just under a binade edge that
+    rounds up lands on the edge, which is the next binade's first (even) code.
+    (tests compare it with a nearest-grid-point search over all eight codes)"""
     x = x.float()
-    grid = E2M1_GRID.to(x.device)
-    # saturate first: far above 6, fp32 distances to the grid all round to the same value
-    dist = (x.abs().clamp(max=E2M1_MAX).unsqueeze(-1) - grid).abs()
-    nearest = dist == dist.min(dim=-1, keepdim=True).values
-    # at most two adjacent codes tie; prefer the even one
-    parity = (torch.arange(8, device=x.device) % 2).expand_as(dist)
-    code = torch.where(nearest, parity, torch.full_like(parity, 2)).argmin(dim=-1)
-    return torch.sign(x) * grid[code]
+    a = x.abs()
+    low = torch.round(a * 2) * 0.5
+    mid = torch.round(a)
+    high = torch.clamp(torch.round(a * 0.5) * 2, max=E2M1_MAX)
+    return torch.copysign(torch.where(a < 2, low, torch.where(a < 4, mid, high)), x)
 
 
 def fake_fp8(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
@@ -56,25 +60,30 @@ def nvfp4_scales(x: torch.Tensor, per_sample: bool = False) -> tuple[torch.Tenso
     """(tensor scale, E4M3 block scales of shape (..., blocks)) of ``x`` (fp32). With
     ``per_sample`` the "tensor" scale is taken per index of dim 0 (activations: a sample's
     numerics then do not depend on what else is in the batch)."""
-    blocks = _blocks(x.float())
+    return _scales_of_blocks(_blocks(x.float()), per_sample)
+
+
+def _scales_of_blocks(blocks: torch.Tensor, per_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    block_amax = blocks.abs().amax(dim=-1)
     if per_sample:
-        amax = blocks.abs().reshape(blocks.shape[0], -1).amax(dim=1).reshape(-1, *[1] * (blocks.ndim - 2))
+        amax = block_amax.reshape(blocks.shape[0], -1).amax(dim=1).reshape(-1, *[1] * (blocks.ndim - 2))
     else:
-        amax = blocks.abs().amax()
+        amax = block_amax.amax()
     tensor_scale = amax / (E2M1_MAX * E4M3_MAX)
     safe = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
-    block_scale = round_e4m3(blocks.abs().amax(dim=-1) / (E2M1_MAX * safe))
+    block_scale = round_e4m3(block_amax / (E2M1_MAX * safe))
     return tensor_scale, block_scale
 
 
 def fake_nvfp4(x: torch.Tensor, per_sample: bool = False) -> torch.Tensor:
     """NVFP4 quantize-dequantize along the last dim (zero-padded to a multiple of 16)."""
     shape, n = x.shape, x.shape[-1]
-    tensor_scale, block_scale = nvfp4_scales(x, per_sample)
-    scale = (block_scale * tensor_scale).unsqueeze(-1)  # (..., blocks, 1)
     blocks = _blocks(x.float())
-    q = torch.where(scale > 0, round_e2m1(blocks / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale,
-                    torch.zeros_like(blocks))
+    tensor_scale, block_scale = _scales_of_blocks(blocks, per_sample)
+    scale = (block_scale * tensor_scale).unsqueeze(-1)  # (..., blocks, 1)
+    # a zero scale (an all-zero block, or one flushed below E4M3's smallest subnormal)
+    # divides by 1 instead and multiplies back by 0
+    q = round_e2m1(blocks / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale
     return q.reshape(*shape[:-1], -1)[..., :n]
 
 

@@ -69,8 +69,7 @@ def test_sync_after_a_lora_update_matches_a_fresh_copy(precision):
 def test_keep_high_patterns_are_anchored():
     adapter, policy = _policy()
     explore = ExplorationCopy(policy.transformer, "nvfp4", keep_high=[r"proj_out", r"x_embedder"])
-    kept = set(explore.linear_names) - set(explore.quantized)
-    assert kept == {"proj_out", "x_embedder"}  # not single_transformer_blocks.N.proj_out
+    assert set(explore.kept) == {"proj_out", "x_embedder"}  # not single_transformer_blocks.N.proj_out
     assert any(n.endswith(".proj_out") for n in explore.quantized)
     w = merged_weight(policy.transformer.get_submodule("proj_out"))
     assert torch.equal(explore.model.get_submodule("proj_out").weight, w)
@@ -83,3 +82,66 @@ def test_unknown_precision_is_named():
     adapter, policy = _policy()
     with pytest.raises(ValueError, match="unknown exploration precision 'fp4'"):
         ExplorationCopy(policy.transformer, "fp4")
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8"])
+def test_a_1x1_conv_is_quantized_like_the_equivalent_linear_on_channels_last_input(precision):
+    g = torch.Generator().manual_seed(3)
+    conv = torch.nn.Conv2d(40, 24, 1)  # 40 channels: two full blocks of 16 and a ragged one
+    linear = torch.nn.Linear(40, 24)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(24, 40, 1, 1, generator=g))
+        linear.weight.copy_(conv.weight.reshape(24, 40))
+        linear.bias.copy_(conv.bias)
+    x = torch.randn(3, 40, 5, 6, generator=g) * torch.exp(torch.randn(3, 40, 1, 1, generator=g))
+    as_conv = ExplorationCopy(torch.nn.Sequential(conv), precision)
+    as_linear = ExplorationCopy(torch.nn.Sequential(linear), precision)
+    assert as_conv.quantized == ["0"]
+    seen = []
+    as_conv.model[0].register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+    with torch.no_grad():
+        out_conv, out_linear = as_conv.model(x), as_linear.model(x.movedim(1, -1))
+    torch.testing.assert_close(out_conv.movedim(1, -1), out_linear, rtol=1e-5, atol=1e-5)
+    assert torch.equal(as_conv.model[0].weight.reshape(24, 40), as_linear.model[0].weight)
+    if precision == "nvfp4":  # blocks run along the input channels, scales per sample
+        assert torch.equal(seen[0], fake_nvfp4(x.movedim(1, -1), per_sample=True).movedim(-1, 1))
+
+
+def test_other_convs_stay_high():
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), torch.nn.Conv2d(16, 16, 1, stride=2),
+                                torch.nn.Conv2d(16, 16, 2))
+    explore = ExplorationCopy(model, "nvfp4")
+    assert explore.quantizable == [] and explore.layer_names == ["0", "1", "2"]
+    for name in explore.layer_names:
+        assert torch.equal(explore.model.get_submodule(name).weight, model.get_submodule(name).weight)
+
+
+def test_sana_copy_merges_the_lora_of_its_1x1_convs():
+    adapter, policy = _policy("sana")
+    _perturb_lora(policy, 4)
+    conv = "transformer_blocks.0.ff.conv_inverted"
+    assert hasattr(policy.transformer.get_submodule(conv), "lora_A")  # SANA's LoRA targets its 1x1 convs
+    bf16 = ExplorationCopy(policy.transformer, "bf16")
+    torch.testing.assert_close(_forward(adapter, bf16.model), _forward(adapter, policy.transformer),
+                               rtol=1e-5, atol=1e-5)
+    nvfp4 = ExplorationCopy(policy.transformer, "nvfp4")
+    merged = merged_weight(policy.transformer.get_submodule(conv))
+    assert torch.equal(nvfp4.model.get_submodule(conv).weight, fake_nvfp4(merged.reshape(merged.shape[0], -1))
+                       .reshape(merged.shape))
+    depth = "transformer_blocks.0.ff.conv_depth"
+    assert torch.equal(nvfp4.model.get_submodule(depth).weight, policy.transformer.get_submodule(depth).weight)
+
+
+def test_sync_loads_biases_of_layers():
+    adapter, policy = _policy("sana")
+    explore = ExplorationCopy(policy.transformer, "nvfp4")
+    with torch.no_grad():  # stands for full fine-tuning, where biases train too
+        for module in policy.transformer.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and module.bias is not None:
+                module.bias.add_(0.25)
+    explore.sync(policy.transformer)
+    for name in explore.layer_names:
+        bias = explore.model.get_submodule(name).bias
+        source = policy.transformer.get_submodule(name)
+        if bias is not None:
+            assert torch.equal(bias, getattr(source, "base_layer", source).bias)

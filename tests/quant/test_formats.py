@@ -43,6 +43,17 @@ def test_e2m1_rounding(x, expected):
     assert round_e2m1(torch.tensor([x])).item() == expected
 
 
+def test_e2m1_matches_a_nearest_grid_search():
+    """The binade-wise torch.round against a search over all eight codes (ties to the
+    even code), on every midpoint, its fp32 neighbours and random values."""
+    mids = [(a + b) / 2 for (a, _), (b, _) in zip(E2M1, E2M1[1:])]
+    edges = torch.tensor(mids + [g for g, _ in E2M1])
+    near = torch.cat([edges, torch.nextafter(edges, torch.tensor(10.0)), torch.nextafter(edges, torch.tensor(-1.0))])
+    x = torch.cat([near, -near, torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 3])
+    expected = torch.tensor([nearest_even(v, E2M1) for v in x.tolist()])
+    assert torch.equal(round_e2m1(x), expected)
+
+
 @pytest.mark.parametrize("x,expected", [
     (448.0, 448.0), (500.0, 448.0), (-1e6, -448.0),  # saturation
     (1 + 1 / 16, 1.0), (1 + 3 / 16, 1.25), (-(1 + 1 / 16), -1.0),  # ties to even in a binade

@@ -1,0 +1,365 @@
+"""Which code runs the low-precision exploration copy, and why.
+
+* ``reference``: pure-PyTorch fake quantization (:class:`ExplorationCopy`), exact to the
+  formats, on any device. Numerics only, no speed-up.
+* ``modelopt``: NVIDIA ModelOpt's ``mtq.quantize`` with ``NVFP4_DEFAULT_CFG`` /
+  ``FP8_DEFAULT_CFG``. Its NVFP4 quantizers are fake quant (quantize-dequantize) in
+  Triton/CUDA kernels, so they need a CUDA GPU; FP4 *tensor cores* exist only on
+  Blackwell (sm_100+). On Hopper and older, NVFP4 is simulated: the numerics of NVFP4,
+  none of its speed (H100 has no FP4 tensor cores; DESIGN.md).
+* ``torchao``: FP8 (E4M3) dynamic activations and weights through
+  ``quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``
+  under ``torch.compile``: real FP8 GEMMs (``torch._scaled_mm``) on GPUs with FP8
+  tensor cores (sm_89+: Ada, Hopper, Blackwell). That is where Hopper's speed comes from.
+  Per-row granularity gives each token its own activation scale and each output row its
+  own weight scale, so, as in the reference path, a sample's numerics do not depend on
+  the rest of its batch.
+* ``none``: the BF16 control.
+
+Every backend quantizes the same layers: ``nn.Linear`` and 1x1 convs, minus the
+family's keep-high list. ModelOpt's default configs disable ``*proj_out.*`` by name,
+which would keep FLUX's single-block ``proj_out`` in BF16; its choice is overridden
+with ours. 1x1 convs are handed to modelopt and torchao as an ``nn.Linear`` over
+channels-last pixels (:class:`ConvAsLinear`), so their NVFP4 blocks run along the input
+channels (modelopt's own conv quantizer would block along the kernel width).
+
+modelopt and torchao are optional (``pip install diffrl[modelopt]`` / ``[torchao]``)
+and imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+from torch import nn
+
+from diffrl.quant.exploration import PRECISIONS, ExplorationCopy
+from diffrl.quant.keep_high import default_keep_high
+
+BACKENDS = ("auto", "reference", "modelopt", "torchao", "none")
+_PIP = {"modelopt": "pip install nvidia-modelopt[torch]", "torchao": "pip install torchao"}
+_PROBE = {"modelopt": "modelopt.torch.quantization", "torchao": "torchao.quantization"}
+
+
+# -- hardware ----------------------------------------------------------------------------
+def capability_flags(capability: tuple[int, int] | None) -> tuple[bool, bool]:
+    """(has FP8 tensor cores, has FP4 tensor cores) of a CUDA compute capability: FP8
+    from Ada/Hopper (sm_89, sm_90), NVFP4 from Blackwell (sm_100, sm_120)."""
+    if capability is None:
+        return False, False
+    return tuple(capability) >= (8, 9), tuple(capability) >= (10, 0)
+
+
+@functools.cache
+def _imports(package: str) -> bool:
+    """Whether the optional package imports (not just whether it is installed)."""
+    try:
+        importlib.import_module(_PROBE[package])
+    except Exception:  # a broken install fails in many ways; any of them means "unavailable"
+        return False
+    return True
+
+
+def detect_hardware(probe_imports: bool | None = None) -> dict:
+    """What this machine offers the exploration copy (CUDA device 0). The optional
+    packages are import-probed only where they could run (``probe_imports=None``: a GPU
+    with FP8 tensor cores), since importing modelopt takes seconds."""
+    cuda = torch.cuda.is_available()
+    capability = tuple(torch.cuda.get_device_capability(0)) if cuda else None
+    has_fp8, has_nvfp4 = capability_flags(capability)
+    probe = has_fp8 if probe_imports is None else probe_imports
+    return {
+        "cuda": cuda,
+        "device_name": torch.cuda.get_device_name(0) if cuda else "CPU",
+        "capability": capability,
+        "has_fp8": has_fp8,
+        "has_nvfp4": has_nvfp4,
+        "modelopt": probe and _imports("modelopt"),
+        "torchao": probe and _imports("torchao"),
+    }
+
+
+def _where(hw: dict) -> str:
+    if not hw["cuda"]:
+        return "the CPU (no CUDA GPU)"
+    major, minor = hw["capability"]
+    return f"{hw['device_name']} (sm_{major}{minor})"
+
+
+# -- choosing ----------------------------------------------------------------------------
+def choose_backend(precision: str, requested: str = "auto", hw: dict | None = None) -> tuple[str, str]:
+    """(backend, reason) for an exploration copy at ``precision``; the reason is a
+    sentence for the log. An explicitly requested backend that cannot run here raises
+    a ValueError saying what is missing and how to fix it."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown exploration precision '{precision}'; valid: {', '.join(PRECISIONS)}")
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown quantization backend '{requested}'; valid: {', '.join(BACKENDS)}")
+    if precision == "bf16":
+        if requested not in ("auto", "none", "reference"):
+            raise ValueError(f"precision bf16 quantizes nothing, so backend '{requested}' does not apply; "
+                             "use backend auto or none")
+        return "none", "BF16 control: LoRA merged, nothing quantized"
+    if requested == "none":
+        raise ValueError(f"backend none runs no quantizer; for precision {precision} use auto, reference, "
+                         "modelopt or torchao (or set precision bf16)")
+    if requested == "reference":
+        return "reference", f"requested: pure-PyTorch fake {precision} (numerics only, no speed-up)"
+    hw = detect_hardware(probe_imports=None if requested == "auto" else True) if hw is None else hw
+    if requested == "auto":
+        return _auto_fp8(hw) if precision == "fp8" else _auto_nvfp4(hw)
+    _check_requested(precision, requested, hw)
+    return requested, f"requested: {_describe(precision, requested, hw)}"
+
+
+def _auto_fp8(hw: dict) -> tuple[str, str]:
+    if hw["has_fp8"] and hw["torchao"]:
+        return "torchao", _describe("fp8", "torchao", hw)
+    if not hw["cuda"]:
+        why = "no CUDA GPU"
+    elif not hw["has_fp8"]:
+        why = f"{_where(hw)} has no FP8 tensor cores (sm_89+)"
+    else:
+        why = f"torchao is not installed ({_PIP['torchao']} for real FP8 GEMMs on {_where(hw)})"
+    return "reference", f"{why}: pure-PyTorch fake fp8 (numerics only, no speed-up)"
+
+
+def _auto_nvfp4(hw: dict) -> tuple[str, str]:
+    # modelopt's NVFP4 fake quant is a Triton kernel for sm_89+; older GPUs fall back to
+    # a CUDA extension compiled at run time, which is not a safe default
+    if hw["has_fp8"] and hw["modelopt"]:
+        return "modelopt", _describe("nvfp4", "modelopt", hw)
+    if not hw["cuda"]:
+        why = "no CUDA GPU (modelopt's NVFP4 kernels need one)"
+    elif not hw["has_fp8"]:
+        why = f"{_where(hw)} is older than sm_89, which modelopt's NVFP4 Triton kernel needs"
+    else:
+        why = f"modelopt is not installed ({_PIP['modelopt']})"
+    return "reference", f"{why}: pure-PyTorch fake nvfp4 (numerics only, no speed-up)"
+
+
+def _describe(precision: str, backend: str, hw: dict) -> str:
+    if backend == "torchao":
+        return f"real FP8 GEMMs on {_where(hw)} via torchao under torch.compile"
+    if precision == "fp8":
+        return f"modelopt FP8 fake quant on {_where(hw)} (simulated: numerics only)"
+    if hw["has_nvfp4"]:
+        return (f"{_where(hw)} has FP4 tensor cores (Blackwell), but this copy runs modelopt's NVFP4 "
+                "fake quant: NVFP4 numerics, BF16 speed")
+    return f"{_where(hw)} has no FP4 tensor cores: NVFP4 simulated by modelopt fake quant (numerics only)"
+
+
+def _check_requested(precision: str, backend: str, hw: dict) -> None:
+    """Raise one clear error if ``backend`` cannot run ``precision`` here."""
+    if backend == "torchao" and precision != "fp8":
+        raise ValueError(f"backend torchao runs fp8 only in diffrl, not {precision}; "
+                         "use backend modelopt or reference for nvfp4")
+    if not hw[backend]:
+        raise ValueError(f"backend {backend} needs the {backend} package, which does not import here: "
+                         f"{_PIP[backend]} (or pip install 'diffrl[{backend}]'), or use backend reference")
+    if backend == "torchao" and not hw["has_fp8"]:
+        raise ValueError(f"backend torchao needs a CUDA GPU with FP8 tensor cores (sm_89+: Ada, Hopper, "
+                         f"Blackwell); found {_where(hw)}; use backend reference")
+    if backend == "modelopt" and precision == "nvfp4" and not hw["cuda"]:
+        raise ValueError("backend modelopt's NVFP4 quantizers run only on a CUDA GPU (they fail on CPU); "
+                         "use backend reference")
+
+
+# -- 1x1 convs as linears ----------------------------------------------------------------
+class ConvAsLinear(nn.Module):
+    """A 1x1 conv (stride 1, no padding, one group) as the ``nn.Linear`` it is per pixel,
+    so a backend that quantizes linears blocks its input along the channels."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        w = conv.weight
+        self.linear = nn.Linear(conv.in_channels, conv.out_channels, bias=conv.bias is not None,
+                                device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.linear.weight.copy_(w.reshape(w.shape[0], -1))
+            if conv.bias is not None:
+                self.linear.bias.copy_(conv.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.movedim(1, -1).contiguous()).movedim(-1, 1)
+
+
+def _swap_pointwise_convs(model: nn.Module, names: list[str]) -> set[str]:
+    """Replace every conv among ``names`` by a :class:`ConvAsLinear`; return the names of
+    the ``nn.Linear`` layers the backend must quantize."""
+    targets = set()
+    for name in names:
+        layer = model.get_submodule(name)
+        if isinstance(layer, nn.Conv2d):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, ConvAsLinear(layer))
+            name = f"{name}.linear"
+        targets.add(name)
+    return targets
+
+
+# -- modelopt ----------------------------------------------------------------------------
+class ModelOptCopy(ExplorationCopy):
+    """Exploration copy quantized by NVIDIA ModelOpt. Weights are kept in high precision
+    and fake-quantized in the forward, so sync loads merged weights, then resets and
+    re-runs the max calibration: the NVFP4 tensor scale amax / (6 * 448) (and FP8's
+    amax / 448) then comes from the new weights, never a stale one (modelopt's max
+    calibrator would otherwise keep the running max of the old and new weights).
+
+    Without ``forward_loop`` (a callable running calibration batches through the model),
+    input quantizers have no calibrated amax and compute it per call, over the whole
+    batch; with it, input amax is static and re-calibrated at every sync.
+    """
+
+    backend = "modelopt"
+
+    def __init__(self, transformer: nn.Module, precision: str, keep_high=(), forward_loop=None):
+        if precision not in ("nvfp4", "fp8"):
+            raise ValueError(f"ModelOptCopy quantizes nvfp4 or fp8, not '{precision}'")
+        self.forward_loop = forward_loop
+        self._mtq = None
+        super().__init__(transformer, precision, keep_high)
+        import modelopt.torch.quantization as mtq
+
+        targets = _swap_pointwise_convs(self.model, self.quantized)
+        config = mtq.NVFP4_DEFAULT_CFG if precision == "nvfp4" else mtq.FP8_DEFAULT_CFG
+        self.model = mtq.quantize(self.model, {**config, "algorithm": None})  # calibrated below
+
+        def owner(quantizer: str) -> str:
+            return quantizer.rpartition(".")[0]
+
+        # our keep-high list decides, not modelopt's name-based disables (``*proj_out.*``)
+        mtq.disable_quantizer(self.model, lambda q: owner(q) not in targets)
+        mtq.enable_quantizer(self.model, lambda q: owner(q) in targets
+                             and q.rpartition(".")[2] in ("weight_quantizer", "input_quantizer"))
+        self._mtq = mtq
+        self._calibrate()
+
+    def _install_quantizers(self) -> None:
+        """modelopt inserts its own quantizers."""
+
+    def quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """Stored in high precision: modelopt fake-quantizes weights in the forward."""
+        return weight
+
+    def sync(self, transformer: nn.Module) -> None:
+        super().sync(transformer)
+        if self._mtq is not None:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        from modelopt.torch.quantization.nn import TensorQuantizer
+
+        for module in self.model.modules():
+            calibrated = getattr(module, "_calibrator", None) is not None
+            if isinstance(module, TensorQuantizer) and module.is_enabled and calibrated:
+                module.reset_amax()
+        self._mtq.calibrate(self.model, algorithm="max", forward_loop=self.forward_loop)
+
+
+# -- torchao -----------------------------------------------------------------------------
+def _copy_inner_(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Copy a traceable tensor subclass's inner tensors (torchao's qdata and scale) in
+    place, so the Parameter object stays and torch.compile has no reason to recompile.
+    False when the two are not laid out alike."""
+    if type(old) is not type(new) or not hasattr(old, "__tensor_flatten__"):
+        return False
+    names, _ = old.__tensor_flatten__()
+    if names != new.__tensor_flatten__()[0]:
+        return False
+    pairs = [(getattr(old, n), getattr(new, n)) for n in names]
+    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+        return False
+    with torch.no_grad():
+        for a, b in pairs:
+            a.copy_(b)
+    return True
+
+
+class TorchaoCopy(ExplorationCopy):
+    """FP8 exploration copy through torchao (real FP8 GEMMs on sm_89+). Sync re-quantizes
+    each quantized weight from the merged high-precision weight with the same config and
+    copies the FP8 data and scales into the existing weight tensors."""
+
+    backend = "torchao"
+
+    def __init__(self, transformer: nn.Module, keep_high=(), compile: bool = True):
+        self._config = None
+        super().__init__(transformer, "fp8", keep_high)
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        self._quantize_ = quantize_
+        self._dtypes = {n: self.model.get_submodule(n).weight.dtype for n in self.quantized}
+        targets = _swap_pointwise_convs(self.model, self.quantized)
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        quantize_(self.model, config, filter_fn=lambda _m, fqn: fqn in targets)
+        self._config = config
+        self._eager = self.model
+        self.model = torch.compile(self._eager) if compile else self._eager
+
+    @property
+    def module(self) -> nn.Module:
+        return self.__dict__.get("_eager", self.model)
+
+    def _install_quantizers(self) -> None:
+        """torchao quantizes activations inside its FP8 linear."""
+
+    def quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """High precision until torchao has quantized the model (see ``_write_layer``)."""
+        return weight
+
+    def _write_layer(self, name: str, target: nn.Module, weight: torch.Tensor) -> None:
+        if self._config is None or name not in self._quantized_set:
+            return super()._write_layer(name, target, weight)
+        linear = target.linear if isinstance(target, ConvAsLinear) else target
+        fresh = nn.Linear(linear.in_features, linear.out_features, bias=False,
+                          device=linear.weight.device, dtype=self._dtypes[name])
+        fresh.weight.data.copy_(weight.reshape(fresh.weight.shape).to(fresh.weight.device))
+        self._quantize_(fresh, self._config)
+        if not _copy_inner_(linear.weight, fresh.weight):
+            linear.weight = fresh.weight  # a new Parameter: correct, but compile may recompile
+
+
+# -- entry point -------------------------------------------------------------------------
+def build_exploration_copy(transformer: nn.Module, family: str, precision: str, backend: str = "auto",
+                           keep_high=None, log=print, *, forward_loop=None, compile: bool = True):
+    """The exploration copy of ``transformer`` at ``precision``, on the backend that
+    ``choose_backend`` picks (or the one requested). ``keep_high=None`` uses the family's
+    default list. Logs one line saying which path runs and why. The result has
+    ``.model`` (call it to explore), ``.precision``, ``.backend`` and ``.sync(transformer)``
+    (reload the merged weights and re-quantize; call it after every optimizer step).
+
+    ``forward_loop`` (modelopt only) runs calibration batches through a model;
+    ``compile`` (torchao only) wraps the model in ``torch.compile``.
+    """
+    defaults = default_keep_high(family)  # also checks the family
+    patterns = defaults if keep_high is None else tuple(keep_high)
+    chosen, reason = choose_backend(precision, backend)
+    if chosen == "modelopt":
+        copy = ModelOptCopy(transformer, precision, patterns, forward_loop=forward_loop)
+    elif chosen == "torchao":
+        copy = TorchaoCopy(transformer, patterns, compile=compile)
+    else:
+        copy = ExplorationCopy(transformer, precision, patterns)
+        copy.backend = chosen
+    source = f"{family} defaults" if keep_high is None else "custom keep_high"
+    if precision == "bf16":
+        counts = f"nothing quantized, {len(copy.quantizable)} quantizable layers in BF16"
+    else:
+        counts = f"{len(copy.quantized)} layers quantized, {len(copy.kept)} kept high ({source})"
+        others = len(copy.layer_names) - len(copy.quantizable)
+        if others:
+            counts += f", {others} non-1x1 convs high"
+
+    log(f"exploration copy: {precision} via {chosen} ({reason}); {counts}")
+    return copy
