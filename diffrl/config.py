@@ -118,6 +118,28 @@ class TreeConfig:
 
 
 @dataclass
+class SolRLConfig:
+    enabled: bool = _f(False, "Sol-RL two-stage rollouts: explore a pool in low precision, select a contrastive subset, "
+                              "regenerate it in BF16 from the same noise and train only on the regenerated samples.")
+    pool_size: int = _f(16, "Candidates explored per prompt (a tree pool's leaf count); rollout.group_size of them are "
+                            "regenerated and trained.")
+    precision: Literal["nvfp4", "fp8", "bf16"] = _f(
+        "nvfp4", "Exploration precision; bf16 explores with the policy itself (the control).")
+    backend: Literal["auto", "reference", "modelopt", "torchao"] = _f(
+        "auto", "Quantization backend; auto picks what the hardware really runs and logs it.")
+    keep_high: list[str] | None = _f(None, "Anchored regexes of layers kept in high precision; null uses the family list.")
+    select: Literal["best_worst", "max_variance", "random"] = _f(
+        "best_worst", "Subset rule per prompt: top and bottom by reward, the subset of largest reward variance, or "
+                      "uniformly random (the ablation control).")
+    explore: Literal["replay", "ode"] = _f(
+        "replay", "replay: the pool uses the training sampler (independent or tree) and stage 2 replays its initial, "
+                  "per-step and branch noise; ode: Sol-RL's recipe, a deterministic ODE pool with explore_num_steps "
+                  "steps whose initial noise alone is replayed.")
+    explore_num_steps: int | None = _f(None, "Denoising steps of an ode pool (Sol-RL: 6, against 10 for training); "
+                                             "null uses sampling.num_steps.")
+
+
+@dataclass
 class DataConfig:
     train_prompts: str = _f("assets/prompts/tiny_train.txt", "Training prompt file (.txt one per line, or .jsonl with 'prompt').")
     eval_prompts: str = _f("assets/prompts/tiny_eval.txt", "Held-out prompt file for evaluation.")
@@ -153,6 +175,10 @@ class ObjectiveConfig:
         "mean", "Reduce the per-element Gaussian log-density over latent dims by mean (flow_grpo) or sum."
     )
     train_cfg: bool = _f(True, "Apply CFG when recomputing velocities for the loss (as in the rollout).")
+    nft_beta: float = _f(1.0, "DiffusionNFT: step size beta of the implicit positive/negative policies.")
+    nft_old_decay_flat: int = _f(0, "DiffusionNFT old policy: iterations with decay 0 (old = current) before the ramp.")
+    nft_old_decay_rate: float = _f(0.001, "DiffusionNFT old policy: decay grows by this per iteration after the flat part.")
+    nft_old_decay_max: float = _f(0.5, "DiffusionNFT old policy: the decay stops growing here.")
 
 
 @dataclass
@@ -205,6 +231,7 @@ class Config:
     sampling: SamplingConfig = _f(SamplingConfig(), "SDE/ODE step settings.")
     rollout: RolloutConfig = _f(RolloutConfig(), "Rollout batch arithmetic.")
     tree: TreeConfig = _f(TreeConfig(), "Tree sampler (rollout.strategy: tree).")
+    solrl: SolRLConfig = _f(SolRLConfig(), "Low-precision exploration pool, selection and BF16 regeneration.")
     data: DataConfig = _f(DataConfig(), "Prompt files.")
     rewards: list[RewardSpec] = _f([RewardSpec()], "Rewards combined by weight.")
     advantage: AdvantageConfig = _f(AdvantageConfig(), "Advantage estimator.")
@@ -363,6 +390,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("sampling.sde_window_slide_every must be >= 0 and sampling.sde_window_slide_stride >= 1")
     if cfg.rollout.strategy == "tree":
         _validate_tree(cfg)
+    if cfg.solrl.enabled:
+        _validate_solrl(cfg)
+    obj = cfg.objective
+    if obj.nft_beta <= 0 or obj.nft_old_decay_flat < 0 or obj.nft_old_decay_rate < 0 or not 0 <= obj.nft_old_decay_max < 1:
+        raise ConfigError("objective.nft_beta must be > 0, nft_old_decay_flat and nft_old_decay_rate >= 0, "
+                          "nft_old_decay_max in [0, 1)")
 
 
 def _validate_tree(cfg: Config) -> None:
@@ -375,9 +408,11 @@ def _validate_tree(cfg: Config) -> None:
     if len(factors) not in (1, len(splits)) or any(f < 1 for f in factors):
         raise ConfigError(f"tree.branch_factors needs one value >= 1 or one per split step ({len(splits)}), got {factors}")
     leaves = math.prod(factors * len(splits) if len(factors) == 1 else factors)
-    if leaves != cfg.rollout.group_size:
-        raise ConfigError(f"the tree has {leaves} leaves per prompt but rollout.group_size is {cfg.rollout.group_size}; "
-                          "set rollout.group_size to the product of tree.branch_factors")
+    want, key = (cfg.solrl.pool_size, "solrl.pool_size") if cfg.solrl.enabled else (cfg.rollout.group_size,
+                                                                                    "rollout.group_size")
+    if leaves != want:
+        raise ConfigError(f"the tree has {leaves} leaves per prompt but {key} is {want}; "
+                          f"set {key} to the product of tree.branch_factors")
     if cfg.sampling.sde_type == "ode":
         raise ConfigError("tree splits need a stochastic step: set sampling.sde_type to sde, cps or dance")
     if tree.split_noise_scale <= 0 or tree.fusion_temperature <= 0 or not 0 < tree.width_keep_fraction <= 1:
@@ -394,6 +429,22 @@ def _validate_tree(cfg: Config) -> None:
     if tree.reward_fusion == "prob_weighted" and cfg.objective.logprob_reduction == "sum":
         raise ConfigError("tree.reward_fusion prob_weighted needs objective.logprob_reduction mean: with sum, the "
                           "softmax over sibling log-probs puts all weight on the child with the smallest noise draw")
+
+
+def _validate_solrl(cfg: Config) -> None:
+    sol = cfg.solrl
+    if not 2 <= cfg.rollout.group_size <= sol.pool_size:
+        raise ConfigError(f"solrl: rollout.group_size ({cfg.rollout.group_size}) samples per prompt are selected from "
+                          f"solrl.pool_size ({sol.pool_size}) candidates; need 2 <= group_size <= pool_size")
+    if sol.explore == "ode" and cfg.rollout.strategy != "independent":
+        raise ConfigError("solrl.explore ode replays only the initial noise, which a tree pool does not fix; use "
+                          "rollout.strategy independent, or solrl.explore replay")
+    if sol.explore_num_steps is not None and (sol.explore != "ode" or sol.explore_num_steps < 1):
+        raise ConfigError("solrl.explore_num_steps needs solrl.explore ode and a value >= 1 (replay pools use the "
+                          "training schedule so that their noise can be replayed)")
+    if cfg.rollout.strategy == "tree" and cfg.tree.width_pruning != "none":
+        raise ConfigError("solrl with a tree pool: the selection already keeps best and worst leaves; set "
+                          "tree.width_pruning none")
 
 
 def to_dict(cfg) -> dict:

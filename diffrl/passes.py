@@ -41,6 +41,7 @@ class Pass:
     rows: list[int]  # sample indices (independent) or node indices (tree)
     t: int  # denoising step
     share: tuple[int, int]  # (numerator, denominator): weight of the pass's mean loss in its optimizer step
+    live: list[bool] | None = None  # False for padding rows (forwarded for DDP, weight 0); None: all live
 
 
 def optimizer_steps_per_epoch(samples: int, cfg) -> int:
@@ -69,40 +70,60 @@ def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int) -> li
     return groups
 
 
+def step_edge_counts(train: torch.Tensor, depth: torch.Tensor, cfg) -> dict[int, int]:
+    """Edges per denoising step that :func:`edge_major` trains (after the timestep
+    fraction): what processes compare to agree on one pass structure."""
+    counts = {}
+    for t in sorted(set((depth[train] - 1).tolist())):
+        n = int((train & (depth - 1 == t)).sum())
+        counts[t] = max(1, math.ceil(cfg.objective.timestep_fraction * n))
+    return counts
+
+
 def edge_major(train: torch.Tensor, depth: torch.Tensor, num_leaves: int, cfg, step: int, epoch: int,
-               keep: torch.Tensor | None = None) -> list[list[Pass]]:
+               keep: torch.Tensor | None = None, pad_to: dict[int, int] | None = None) -> list[list[Pass]]:
     """Passes over the nodes with ``train`` set (each node stands for its incoming edge,
-    at step depth - 1); ``keep`` marks the ones whose loss is not masked out."""
+    at step depth - 1); ``keep`` marks the ones whose loss is not masked out.
+
+    ``pad_to`` (step -> edge count, the maximum over processes) pads each step with
+    dead rows so that every process runs the same passes of the same sizes, which DDP
+    needs when trees differ in shape (Sol-RL sub-trees): a dead row repeats a node at that
+    depth, is forwarded with weight 0 and counts in no denominator."""
     n_groups = optimizer_steps_per_epoch(num_leaves, cfg)
     keep = torch.ones_like(train) if keep is None else keep.bool()
-    per_group: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_groups)]
-    steps = sorted(set((depth[train] - 1).tolist()))
-    for t in steps:
+    per_group: list[list[tuple[int, torch.Tensor, int]]] = [[] for _ in range(n_groups)]
+    counts = step_edge_counts(train, depth, cfg)
+    for t in sorted(set(counts) | set(pad_to or {})):
         edges = torch.nonzero(train & (depth - 1 == t)).flatten()
         perm = torch.randperm(len(edges), generator=rng.generator(cfg.seed, "edges", step, epoch, t))
-        edges = edges[perm[:max(1, math.ceil(cfg.objective.timestep_fraction * len(edges)))]]
-        for i, part in enumerate(torch.tensor_split(edges, n_groups)):
+        edges = edges[perm[:counts.get(t, 0)]]
+        live = len(edges)
+        target = max(live, (pad_to or {}).get(t, 0))
+        if target > live:
+            filler = torch.nonzero(depth - 1 == t).flatten()[:1]
+            edges = torch.cat([edges, filler.repeat(target - live)])
+        alive = torch.arange(target) < live
+        for i, (part, part_live) in enumerate(zip(torch.tensor_split(edges, n_groups),
+                                                  torch.tensor_split(alive, n_groups))):
             if len(part):
-                per_group[(i + t) % n_groups].append((t, part))
-    groups = []
-    for parts in per_group:
-        if parts:
-            groups.append(_group_passes(parts, keep, cfg))
-    return groups
+                per_group[(i + t) % n_groups].append((t, part, part_live))
+    return [_group_passes(parts, keep, cfg) for parts in per_group if parts]
 
 
-def _group_passes(parts: list[tuple[int, torch.Tensor]], keep: torch.Tensor, cfg) -> list[Pass]:
+def _group_passes(parts: list[tuple[int, torch.Tensor, torch.Tensor]], keep: torch.Tensor, cfg) -> list[Pass]:
     """Chunk one optimizer step's per-step edge sets into passes of at most
     ``micro_batch_size`` rows. The objective averages over a pass's kept rows, so the
-    share's numerator is the kept count and its denominator counts every edge: a masked
-    edge weighs as a zero loss, and the result does not depend on how edges fall into
-    passes."""
+    share's numerator is the kept count and its denominator counts every live edge: a
+    masked edge weighs as a zero loss, and the result does not depend on how edges fall
+    into passes."""
     mb = cfg.train.micro_batch_size
-    total = sum(len(p) for _, p in parts)
+    total = max(1, sum(int(a.sum()) for _, _, a in parts))
     passes = []
-    for t, part in parts:
-        den = len(part) * len(parts) if cfg.tree.loss_weighting == "depth" else total
+    for t, part, alive in parts:
+        den = max(1, int(alive.sum())) * len(parts) if cfg.tree.loss_weighting == "depth" else total
         for i in range(0, len(part), mb):
-            chunk = part[i:i + mb]
-            passes.append(Pass(chunk.tolist(), t, (int(keep[chunk].sum()), den)))
+            chunk, chunk_live = part[i:i + mb], alive[i:i + mb]
+            kept = int((keep[chunk] & chunk_live).sum())
+            live = None if bool(chunk_live.all()) else chunk_live.tolist()
+            passes.append(Pass(chunk.tolist(), t, (kept, den), live))
     return passes

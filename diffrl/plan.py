@@ -39,6 +39,25 @@ def _tree_numbers(cfg, trees_per_process: int) -> dict[str, float]:
             "sde_steps": sum(k != "ode" for k in kinds)}
 
 
+def _solrl_numbers(cfg) -> dict[str, float]:
+    """Sol-RL's pool and regeneration cost per iteration. A tree sub-tree's size depends
+    on which leaves are selected, so its regeneration NFE is an upper bound (every
+    selected leaf on its own branch wherever the tree allows)."""
+    from diffrl.sampling.tree import TreeSpec
+
+    sol, prompts, k = cfg.solrl, cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    steps = cfg.sampling.num_steps
+    if cfg.rollout.strategy == "tree":
+        spec = TreeSpec.from_config(cfg)
+        explore = prompts * spec.nfe_per_tree()
+        regenerate = prompts * sum(min(spec.nodes_at(t), k) for t in range(steps))
+    else:
+        explore_steps = (sol.explore_num_steps or steps) if sol.explore == "ode" else steps
+        explore, regenerate = prompts * sol.pool_size * explore_steps, prompts * k * steps
+    return {"solrl_pool_size": sol.pool_size, "solrl_explore_nfe_per_iteration": explore,
+            "solrl_regenerate_nfe_per_iteration": regenerate}
+
+
 def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     """Every number a user should sanity-check before launching a run."""
     samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -46,7 +65,9 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     steps = cfg.sampling.num_steps
     kinds = step_kinds(cfg.sampling, steps, 0)
     sde_steps = sum(k != "ode" for k in kinds)
-    trained_steps = max(1, math.ceil(cfg.objective.timestep_fraction * sde_steps)) if sde_steps else 0
+    # NFT noises x0 afresh (forward process), so every step's sigma can be trained
+    usable = steps if cfg.objective.name == "nft" else sde_steps
+    trained_steps = max(1, math.ceil(cfg.objective.timestep_fraction * usable)) if usable else 0
     cfg_mult = 2 if _uses_cfg(cfg) else 1
     micro_batches = math.ceil(per_process / cfg.train.micro_batch_size)
     opt_steps = cfg.train.num_inner_epochs * math.ceil(micro_batches / cfg.train.gradient_accumulation)
@@ -54,11 +75,16 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     traj_bytes = per_process * (3 * steps + 1) * latent_numel(cfg) * 4
     ref_mult = 2 if cfg.objective.kl_coef > 0 else 1
     rollout_nfe, trained_rows = samples * steps, samples * trained_steps
-    if cfg.rollout.strategy == "tree":
-        if cfg.rollout.prompts_per_step % num_processes:
-            raise ConfigError(f"rollout.strategy tree keeps each prompt's tree on one process: make "
-                              f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) divisible by the "
-                              f"{num_processes} processes")
+    whole = "Sol-RL selects within each prompt's pool" if cfg.solrl.enabled else "rollout.strategy tree keeps each prompt's tree"
+    if (cfg.solrl.enabled or cfg.rollout.strategy == "tree") and cfg.rollout.prompts_per_step % num_processes:
+        raise ConfigError(f"{whole} on one process: make rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) "
+                          f"divisible by the {num_processes} processes")
+    solrl = {}
+    if cfg.solrl.enabled:
+        solrl = _solrl_numbers(cfg)
+        rollout_nfe = solrl["solrl_explore_nfe_per_iteration"] + solrl["solrl_regenerate_nfe_per_iteration"]
+        traj_bytes = per_process * (3 * steps + 1) * latent_numel(cfg) * 4
+    elif cfg.rollout.strategy == "tree" and cfg.objective.name != "nft":
         tree = _tree_numbers(cfg, cfg.rollout.prompts_per_step // num_processes)
         rollout_nfe, trained_rows = tree["nfe"] * num_processes, tree["trained"] * num_processes
         sde_steps, trained_steps = tree["sde_steps"], trained_rows / samples
@@ -81,6 +107,7 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
         "optimizer_steps_per_iteration": opt_steps,
         "optimizer_steps_total": opt_steps * cfg.train.max_steps,
         "trajectory_buffer_mib_per_process": traj_bytes / 2**20,
+        **solrl,
     }
 
 

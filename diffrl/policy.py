@@ -133,3 +133,25 @@ class EMA:
     def load_state_dict(self, state: dict) -> None:
         self.shadow = [s.to(p.device).float() for s, p in zip(state["shadow"], self.params)]
         self.updates = state.get("updates", 0)
+
+
+class OldPolicy(EMA):
+    """DiffusionNFT's old policy: an EMA of the trainable weights with a decay that ramps
+    per iteration, 0 for the first ``flat`` iterations, then min(rate * (i - flat),
+    max) (the reference implementation's schedule). :meth:`refresh` is called once per
+    iteration, after the update, so within an iteration the old policy is fixed; decay
+    0 makes it the policy that will sample the next iteration."""
+
+    def __init__(self, params: list[torch.nn.Parameter], flat: int, rate: float, maximum: float):
+        super().__init__(params, decay=0.0)
+        self.flat, self.rate, self.maximum = flat, rate, maximum
+
+    def decay_at(self, iteration: int) -> float:
+        return 0.0 if iteration < self.flat else min(self.rate * (iteration - self.flat), self.maximum)
+
+    @torch.no_grad()
+    def refresh(self, iteration: int) -> None:
+        decay = self.decay_at(iteration)
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach().float(), 1.0 - decay)
+        self.updates += 1

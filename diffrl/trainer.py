@@ -14,11 +14,12 @@ import time
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import ProjectConfiguration, pad_across_processes
 from tqdm.auto import tqdm
 
 from diffrl import checkpoint as ckpt
 from diffrl.algorithms import compute_advantages, get_objective
+from diffrl.algorithms.solrl import SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
 from diffrl.data import load_prompts, plan_step
@@ -26,7 +27,7 @@ from diffrl.evaluation import evaluate
 from diffrl.metrics import MetricsLogger
 from diffrl.models import build_adapter
 from diffrl.plan import derive, format_plan
-from diffrl.policy import EMA, Policy
+from diffrl.policy import EMA, OldPolicy, Policy
 from diffrl.sampling import TreeTrajectory, get_strategy
 from diffrl.summary import before_after
 from diffrl.update import UpdateCounters, Updater
@@ -85,66 +86,126 @@ class Trainer:
         if self.ema is not None:
             self.acc.register_for_checkpointing(self.ema)
         ckpt.install_accelerate_hooks(self.acc)
+        self.old_policy = None
+        if getattr(self.objective, "forward_process", False):
+            o = cfg.objective
+            self.old_policy = OldPolicy(self.policy.trainable_parameters(), o.nft_old_decay_flat, o.nft_old_decay_rate,
+                                        o.nft_old_decay_max)
+            self.acc.register_for_checkpointing(self.old_policy)
         self.updater = Updater(self.acc, self.policy, self.adapter, self.model, self.optimizer, self.scheduler,
-                               self.objective, cfg, self.counters, self.ema)
+                               self.objective, cfg, self.counters, self.ema, self.old_policy)
+        self.solrl = None
+        if cfg.solrl.enabled:
+            self.solrl = SolRLStage(cfg, self.adapter, self.adapter.transformer, self.reward_fn, log=self.acc.print)
+            self.updater.after_step.append(self.solrl.mark_stale)
         self.step = 0
 
     # -- stages ---------------------------------------------------------------------------
-    def rollout_and_score(self, step: int):
-        plan = plan_step(self.train_prompts, self.cfg.seed, step, self.cfg.rollout.prompts_per_step,
-                         self.cfg.rollout.group_size)
+    def rollout_and_score(self, step: int) -> dict:
+        """Rollouts of this process's share of the iteration, scored. Sol-RL returns the
+        regenerated BF16 subset; everything downstream sees only that."""
+        cfg = self.cfg
+        size = cfg.solrl.pool_size if self.solrl is not None else cfg.rollout.group_size
+        plan = plan_step(self.train_prompts, cfg.seed, step, cfg.rollout.prompts_per_step, size)
         sl, local = plan.shard(self.acc.process_index, self.acc.num_processes)
         cond = self.adapter.encode_prompts(local.prompts)
+        if self.solrl is not None:
+            out = self.solrl.run(self.adapter, self.adapter.transformer, cond, local.prompts, local.keys, step,
+                                 self.acc.autocast)
+            groups = local.group_ids.reshape(-1, size)[:, :cfg.rollout.group_size].flatten()
+            return {"groups": groups, "cond": out.cond, "traj": out.traj, "total": out.total,
+                    "comps": out.components, "logs": out.logs, "extra": out.metrics,
+                    "nfe": out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]}
         t0 = time.time()
         with torch.no_grad(), self.acc.autocast():
-            traj = self.strategy(self.adapter, self.adapter.transformer, cond, local.keys, self.cfg, iteration=step)
+            traj = self.strategy(self.adapter, self.adapter.transformer, cond, local.keys, cfg, iteration=step)
         t1 = time.time()
         total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
         timing = {"time/rollout": t1 - t0, "time/reward": time.time() - t1}
-        return plan, sl, cond, traj, total, comps, logs, timing
+        return {"groups": local.group_ids, "cond": cond, "traj": traj, "total": total, "comps": comps,
+                "logs": logs, "extra": timing, "nfe": traj.nfe}
 
-    def advantages(self, plan, sl, total, comps):
-        """Gather rewards from every process and normalise over whole groups."""
-        dev = self.acc.device
-        all_total = self.acc.gather(total.to(dev)).cpu()
-        all_comps = self.acc.gather(comps.to(dev)).cpu()
-        adv = compute_advantages(all_total, plan.group_ids, self.cfg.advantage.estimator, self.cfg.advantage.eps,
-                                 self.cfg.advantage.filter_zero_std, all_comps, self.reward_fn.weights)
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``t`` over processes along dim 0; lengths may differ (Sol-RL
+        sub-trees have data-dependent node counts), so blocks are padded, gathered and cut."""
+        t = t.to(self.acc.device)
+        if self.acc.num_processes == 1:
+            return t.cpu()
+        sizes = self.acc.gather(torch.tensor([t.shape[0]], device=self.acc.device)).cpu().tolist()
+        padded = self.acc.gather(pad_across_processes(t, dim=0)).cpu()
+        width = max(sizes)
+        return torch.cat([padded[i * width:i * width + n] for i, n in enumerate(sizes)])
+
+    def advantages(self, groups, total, comps):
+        """Gather rewards and group ids from every process and normalise over whole groups."""
+        all_total, all_groups = self.gather(total), self.gather(groups)
+        adv = compute_advantages(all_total, all_groups, self.cfg.advantage.estimator, self.cfg.advantage.eps,
+                                 self.cfg.advantage.filter_zero_std, self.gather(comps), self.reward_fn.weights)
+        n, rank = len(total), self.acc.process_index
+        sl = slice(rank * n, (rank + 1) * n)
         return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction
 
     def tree_advantages(self, traj, total, comps, step: int):
         """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""
-        dev = self.acc.device
-
-        def gather(t):
-            return self.acc.gather(t.to(dev)).cpu()
-
-        credit = tree_credit(traj, total, comps, self.cfg, step, self.reward_fn.weights, gather,
+        credit = tree_credit(traj, total, comps, self.cfg, step, self.reward_fn.weights, self.gather,
                              self.acc.process_index)
-        counts = gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
+        counts = self.gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
         # all processes; edges left after pruning, before objective.timestep_fraction subsamples them
         stats = {"tree/edges_after_pruning": int(counts[0]), "tree/edges": int(counts[1])}
-        return gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.train, stats
+        return self.gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.train, stats
+
+    def across_processes(self, local: dict) -> dict:
+        """Per-process stage metrics over all processes: NFE and sync counts are summed,
+        times take the slowest process, the rest (rewards, rank agreement) the mean."""
+        if self.acc.num_processes == 1:
+            return dict(local)
+        keys = sorted(local)
+        values = self.gather(torch.tensor([[float(local[k]) for k in keys]], dtype=torch.float64))
+        out = {}
+        for i, k in enumerate(keys):
+            col = values[:, i]
+            if k.endswith(("_nfe", "/syncs")):
+                out[k] = float(col.sum())
+            elif k.startswith("time/"):
+                out[k] = float(col.max())
+            else:
+                out[k] = float(col.nanmean())
+        return out
+
+    def leaf_view(self, r: dict) -> dict:
+        """A tree's leaves as independent samples grouped by tree: what a forward-process
+        objective (NFT) trains on, since it needs only clean samples and their group."""
+        traj = r["traj"]
+        trees = traj.tree[traj.leaf_nodes()].cpu()
+        cond = r["cond"].select([traj.cond_rows[t] for t in trees.tolist()])
+        groups = trees + self.acc.process_index * traj.num_trees
+        return {**r, "traj": traj.path_trajectory(), "cond": cond, "groups": groups}
 
     def train_step(self, step: int) -> dict:
-        plan, sl, cond, traj, total, comps, logs, timing = self.rollout_and_score(step)
-        train, extra = None, {}
+        r = self.rollout_and_score(step)
+        if isinstance(r["traj"], TreeTrajectory) and self.old_policy is not None:
+            r = self.leaf_view(r)
+        traj, cond, total, comps = r["traj"], r["cond"], r["total"], r["comps"]
+        train, extra = None, self.across_processes(r["extra"])
         if isinstance(traj, TreeTrajectory):
-            all_total, adv, keep, filtered, train, extra = self.tree_advantages(traj, total, comps, step)
+            all_total, adv, keep, filtered, train, stats = self.tree_advantages(traj, total, comps, step)
+            extra.update(stats)
         else:
-            all_total, adv, keep, filtered = self.advantages(plan, sl, total, comps)
-        nfe = int(self.acc.gather(torch.tensor([traj.nfe], device=self.acc.device)).sum())  # all processes
+            all_total, adv, keep, filtered = self.advantages(r["groups"], total, comps)
+        nfe = int(self.gather(torch.tensor([r["nfe"]])).sum())  # all processes
         metrics = {"reward/mean": all_total.mean(), "reward/std": all_total.std(unbiased=False),
                    "advantage/filtered_fraction": filtered, "rollout/nfe": nfe,
-                   "rollout/nfe_per_leaf": nfe / len(all_total), **extra, **timing}
-        for name, values in logs.items():
-            metrics[f"reward/{name}/mean"] = self.acc.gather(values.to(self.acc.device)).mean()
+                   "rollout/nfe_per_leaf": nfe / len(all_total), **extra}
+        for name, values in r["logs"].items():
+            metrics[f"reward/{name}/mean"] = self.gather(values).mean()
         if not bool(torch.isfinite(all_total).all()):
             self.counters.skipped_nonfinite_reward += 1
         else:
             t0 = time.time()
             metrics.update(self.updater.run(traj, cond, adv, keep, step, train))
             metrics["time/update"] = time.time() - t0
+        if self.old_policy is not None:
+            self.old_policy.refresh(step)
         metrics.update({"skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
                         "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,
                         "optimizer_steps": self.counters.optimizer_steps, "lr": self.scheduler.get_last_lr()[0]})

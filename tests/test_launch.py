@@ -2,6 +2,7 @@
 subprocess, the CLI's error paths, and two gloo processes against one."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -112,3 +113,21 @@ def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
     w2 = load_file(str(tmp_path / "two" / "checkpoints" / "step-1" / "trainable.safetensors"))
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_run_solrl_sub_trees_of_different_shapes(tmp_path):
+    """Sol-RL over gloo with a tree pool: each process regenerates sub-trees whose shapes
+    depend on its own selection, so node counts and per-step edge counts differ between
+    processes. Gathers are ragged-safe and passes are padded to a common structure, so the
+    run finishes (instead of hanging in a collective) and its rollouts equal one process's."""
+    common = ["scripts/train.py", "--config", "tiny_flux_solrl", "--set", "train.max_steps=2",
+              "--set", "rollout.batch_size=1", "--set", "rollout.prompts_per_step=4"]
+    one = _run(TORCHRUN + ["1", *common, "--set", f"output_dir={tmp_path / 'one'}"], ACCELERATE_USE_CPU="true")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _run(TORCHRUN + ["2", *common, "--set", f"output_dir={tmp_path / 'two'}"], ACCELERATE_USE_CPU="true")
+    assert two.returncode == 0, two.stderr[-3000:]
+    r1, r2 = _rows(tmp_path / "one")[0], _rows(tmp_path / "two")[0]
+    for key in ("reward/mean", "solrl/pool_reward_mean", "rollout/nfe", "tree/edges"):
+        assert r1[key] == pytest.approx(r2[key], rel=1e-6, abs=1e-9), key
+    assert all(math.isfinite(r["loss"]) for r in _rows(tmp_path / "two"))

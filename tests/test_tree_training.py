@@ -40,8 +40,8 @@ def test_two_tree_steps_change_parameters_with_finite_loss(name, tmp_path):
 
 
 def _rollout(trainer, step=0):
-    plan, sl, cond, traj, total, comps, logs, _ = trainer.rollout_and_score(step)
-    return cond, traj, total, comps
+    r = trainer.rollout_and_score(step)
+    return r["cond"], r["traj"], r["total"], r["comps"]
 
 
 def test_pruning_leaves_the_rollout_and_the_advantages_unchanged(tmp_path):

@@ -9,6 +9,9 @@ from diffrl.algorithms.flow_grpo import (
     get_objective,
     register_objective,
 )
+from diffrl.algorithms.nft import nft_loss
+
+register_objective("nft", nft_loss)
 
 __all__ = ["ESTIMATORS", "Advantages", "LossContext", "StepBatch", "available_objectives",
-           "compute_advantages", "flow_grpo_loss", "get_objective", "register_objective"]
+           "compute_advantages", "flow_grpo_loss", "nft_loss", "get_objective", "register_objective"]

@@ -37,6 +37,7 @@ class StepBatch:
     cond: Conditioning
     weights: torch.Tensor | None = None  # (B,) 1 = train on the sample, 0 = masked out
     noise_level: float | None = None  # the step rule's noise level at this step (None: the context's)
+    x0: torch.Tensor | None = None  # clean final latents (forward-process objectives: DiffusionNFT)
 
 
 def masked_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -55,6 +56,7 @@ class LossContext:
     reference_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None
     objective_cfg: object
     noise_level: float
+    old_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None = None  # NFT's old policy
 
 
 def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -93,6 +95,7 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     return loss, stats
 
 
+flow_grpo_loss.forward_process = False
 _OBJECTIVES = {"flow_grpo": flow_grpo_loss}
 
 

@@ -37,24 +37,41 @@ from diffrl.algorithms.advantages import compute_advantages
 
 
 def fuse_rewards(tree, leaf_values: torch.Tensor, mode: str = "mean", temperature: float = 1.0) -> torch.Tensor:
-    """Node values (N, K) from leaf values (L, K) in leaf order, bottom-up."""
-    spec, p = tree.spec, tree.num_trees
-    out = torch.zeros(tree.depth.numel(), leaf_values.shape[1], dtype=torch.float64)
-    below = leaf_values.double()
-    out[tree.depth == spec.num_steps] = below
-    for d in range(spec.num_steps - 1, -1, -1):
-        b = spec.factors[d]
-        children = below.reshape(p * spec.nodes_at(d), b, -1)
-        if mode == "mean" or b == 1:
-            # balanced tree: the mean of the children's leaf means is the mean of the leaves
-            below = children.mean(1)
-        elif mode == "prob_weighted":
-            lp = tree.log_probs[tree.depth == d + 1].double().cpu().reshape(-1, b)
-            below = (torch.softmax(lp / temperature, dim=1).unsqueeze(-1) * children).sum(1)
+    """Node values (N, K) from leaf values (L, K) in leaf order, bottom-up along ``parent``
+    (so an irregular tree, such as a Sol-RL regenerated sub-tree, works too)."""
+    if mode not in ("mean", "prob_weighted"):
+        raise ValueError(f"unknown tree.reward_fusion '{mode}'; valid: mean, prob_weighted")
+    n, k = tree.depth.numel(), leaf_values.shape[1]
+    parent, depth = tree.parent.cpu(), tree.depth.cpu()
+    leaf = depth == tree.num_steps
+    total = torch.zeros(n, k, dtype=torch.float64)
+    total[leaf] = leaf_values.double().cpu()
+    count = leaf.double()  # leaves below each node (mean fusion)
+    for d in range(tree.num_steps - 1, -1, -1):
+        child = torch.nonzero(depth == d + 1).flatten()
+        par = parent[child]
+        if mode == "mean":
+            total.index_add_(0, par, total[child])
+            count.index_add_(0, par, count[child])
         else:
-            raise ValueError(f"unknown tree.reward_fusion '{mode}'; valid: mean, prob_weighted")
-        out[tree.depth == d] = below
-    return out
+            weights = _sibling_softmax(tree.log_probs.cpu().double()[child] / temperature, par, n)
+            total.index_add_(0, par, weights.unsqueeze(1) * total[child])
+    return total / count.unsqueeze(1) if mode == "mean" else total
+
+
+def _sibling_softmax(logits: torch.Tensor, parent: torch.Tensor, n: int) -> torch.Tensor:
+    """Softmax of ``logits`` within each set of children of one parent."""
+    peak = torch.full((n,), float("-inf"), dtype=logits.dtype).scatter_reduce(0, parent, logits, "amax")
+    e = torch.exp(logits - peak[parent])
+    return e / torch.zeros(n, dtype=logits.dtype).index_add_(0, parent, e)[parent]
+
+
+def multi_node(groups: torch.Tensor) -> torch.Tensor:
+    """Bool per entry: its (tree, depth) group holds more than one node. A single-node
+    depth (the trunk before the first split, or a sub-tree's unbranched stretch) always
+    gets a zero depth-wise advantage."""
+    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+    return counts[inverse] > 1
 
 
 def depth_pruned_steps(tree_cfg, iteration: int) -> set[int]:
@@ -99,7 +116,8 @@ def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor) ->
     spec = tree.spec
     step_of = tree.depth - 1
     stochastic = torch.tensor([k != "ode" for k in tree.step_kinds] + [False])[step_of.clamp(min=0)]
-    mask = (tree.depth >= 1) & stochastic & (tree.stds.cpu() > 0) & spec.branched(tree.depth)
+    groups = tree.tree.cpu() * (tree.num_steps + 1) + tree.depth.cpu()
+    mask = (tree.depth >= 1) & stochastic & (tree.stds.cpu() > 0) & multi_node(groups)
     pruned = depth_pruned_steps(tree_cfg, iteration)
     if pruned:
         mask &= ~torch.isin(step_of, torch.tensor(sorted(pruned)))
@@ -155,26 +173,27 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
     fused = fuse_rewards(tree, values, tcfg.reward_fusion, tcfg.fusion_temperature)
     n = fused.shape[0]
     groups = (tree.tree + rank * tree.num_trees) * (tree.num_steps + 1) + tree.depth
-    if gather is not None:
-        fused, groups = gather(fused), gather(groups)
+    owner = torch.full((n,), rank)
+    if gather is not None:  # blocks may differ in length (sub-trees): find ours by owner
+        fused, groups, owner = gather(fused), gather(groups), gather(owner)
     # roots have no incoming edge, and single-node depths (the trunk) always get 0: leave
     # both out, or they would pull down the batch std of decoupled / global estimators
-    informative = tree.spec.branched(groups % (tree.num_steps + 1))
+    informative = multi_node(groups)
     adv = compute_advantages(fused[informative, 0], groups[informative], acfg.estimator, acfg.eps,
                              acfg.filter_zero_std, fused[informative, 1:], weights)
     full_adv = torch.zeros(len(groups))
     full_keep = torch.zeros(len(groups), dtype=torch.bool)
     full_adv[informative], full_keep[informative] = adv.values, adv.keep
-    sl = slice(rank * n, (rank + 1) * n) if gather is not None else slice(0, n)
+    sl = owner.cpu() == rank
     train = trained_edges(tree, tcfg, iteration, leaf_total.cpu())
-    filtered = _zero_variance_share(fused[:, 0], groups, tree)
+    filtered = _zero_variance_share(fused[:, 0], groups)
     return TreeCredit(full_adv[sl], full_keep[sl], train, fused[sl, 0].float(), filtered)
 
 
-def _zero_variance_share(values: torch.Tensor, groups: torch.Tensor, tree) -> float:
+def _zero_variance_share(values: torch.Tensor, groups: torch.Tensor) -> float:
     """Share of (tree, depth) groups with several nodes whose fused rewards are all equal
     (single-node depths are structural, not filtered)."""
-    multi = tree.spec.branched(groups % (tree.num_steps + 1))
+    multi = multi_node(groups)
     ids = torch.unique(groups[multi])
     flat = sum(1 for g in ids.tolist() if bool((values[groups == g] == values[groups == g][0]).all()))
     return flat / max(len(ids), 1)

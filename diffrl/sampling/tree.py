@@ -198,7 +198,7 @@ def trees_from_keys(keys, leaves: int) -> tuple[list[tuple], list[int]]:
     return roots, rows
 
 
-def _velocity_chunks(adapter, transformer, x, sigma, cond, cond_rows, batch_size: int) -> torch.Tensor:
+def velocity_chunks(adapter, transformer, x, sigma, cond, cond_rows, batch_size: int) -> torch.Tensor:
     outs = []
     for s in range(0, x.shape[0], batch_size):
         rows = cond_rows[s:s + batch_size]
@@ -228,7 +228,7 @@ def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec
     for t, kind in enumerate(kinds):
         here = lay["depth"] == t
         tree_of, ord_of = lay["tree"][here], lay["ordinal"][here]
-        v = _velocity_chunks(adapter, transformer, x, sigmas[t].to(device), cond,
+        v = velocity_chunks(adapter, transformer, x, sigmas[t].to(device), cond,
                              [cond_rows[k] for k in tree_of.tolist()], cfg.rollout.batch_size)
         nfe += x.shape[0]
         b = spec.factors[t]

@@ -1,0 +1,120 @@
+"""Contrastive subsets of an exploration pool (Sol-RL, "FP4 Explore, BF16 Train", Sec. 3:
+candidate pool, then the highly contrastive subset that is regenerated in BF16).
+
+Each row of ``rewards`` (G, N) is one prompt's pool; a rule returns the (G, k) pool
+indices to regenerate, ascending within a row, so that the regenerated samples keep
+the pool's order.
+
+* ``best_worst``: the ceil(k/2) highest and floor(k/2) lowest rewards (Sol-RL's top-k
+  plus bottom-k). Ties break by pool index (stable sort), so the choice is
+  deterministic.
+* ``max_variance``: the k-subset whose rewards have the largest variance. For any
+  k-subset, moving an interior value outwards raises the variance, so the optimum
+  takes j values from the top and k - j from the bottom of the sorted row; every j
+  is tried and the first best is kept.
+* ``random``: a uniformly random k-subset keyed by (seed, iteration, prompt): the
+  ablation control that shows what selection itself buys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffrl.sampling import rng
+
+SELECTION_MODES = ("best_worst", "max_variance", "random")
+
+
+def _extremes(order: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
+    """The first ``top`` and last ``bottom`` entries of a descending order."""
+    n = order.shape[-1]
+    return torch.cat([order[..., :top], order[..., n - bottom:]], -1)
+
+
+def _best_worst(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    order = torch.sort(rewards, dim=1, descending=True, stable=True).indices
+    return _extremes(order, (k + 1) // 2, k // 2)
+
+
+def _max_variance(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    order = torch.sort(rewards, dim=1, descending=True, stable=True).indices
+    best, best_var = None, None
+    for top in range(k + 1):
+        cand = _extremes(order, top, k - top)
+        var = torch.gather(rewards, 1, cand).var(dim=1, unbiased=False)
+        if best is None:
+            best, best_var = cand, var
+        else:
+            better = var > best_var
+            best = torch.where(better.unsqueeze(1), cand, best)
+            best_var = torch.where(better, var, best_var)
+    return best
+
+
+def _random(rewards: torch.Tensor, k: int, key: tuple) -> torch.Tensor:
+    rows = [torch.randperm(rewards.shape[1], generator=rng.generator(*key, "select", g))[:k]
+            for g in range(rewards.shape[0])]
+    return torch.stack(rows)
+
+
+def select_subset(rewards: torch.Tensor, k: int, mode: str, key: tuple = (0,)) -> torch.Tensor:
+    """(G, k) ascending pool indices per row of ``rewards`` (G, N); ``key`` seeds ``random``
+    (the caller passes (seed, iteration, first prompt index))."""
+    if mode not in SELECTION_MODES:
+        raise ValueError(f"unknown solrl.select '{mode}'; valid: {', '.join(SELECTION_MODES)}")
+    g, n = rewards.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot select {k} of {n} pool candidates per prompt")
+    values = rewards.detach().double().cpu()
+    if mode == "best_worst":
+        chosen = _best_worst(values, k)
+    elif mode == "max_variance":
+        chosen = _max_variance(values, k)
+    else:
+        chosen = _random(values, k, key)
+    return torch.sort(chosen, dim=1).values
+
+
+def kendall_tau(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Kendall's tau-b of two 1-D samples (ties corrected); nan when either is constant."""
+    a, b = a.double().flatten(), b.double().flatten()
+    da = torch.sign(a.unsqueeze(0) - a.unsqueeze(1))
+    db = torch.sign(b.unsqueeze(0) - b.unsqueeze(1))
+    upper = torch.triu(torch.ones_like(da, dtype=torch.bool), diagonal=1)
+    s = (da * db)[upper].sum()
+    na, nb = (da[upper] != 0).sum(), (db[upper] != 0).sum()
+    if na == 0 or nb == 0:
+        return float("nan")
+    return float(s / torch.sqrt(na.double() * nb.double()))
+
+
+def average_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..n with ties given their average rank."""
+    x = x.double().flatten()
+    less = (x.unsqueeze(0) < x.unsqueeze(1)).sum(1).double()
+    equal = (x.unsqueeze(0) == x.unsqueeze(1)).sum(1).double()
+    return less + (equal + 1) / 2
+
+
+def spearman_rho(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rho: the Pearson correlation of average ranks; nan when either is constant."""
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = torch.sqrt((ra * ra).sum() * (rb * rb).sum())
+    if den == 0:
+        return float("nan")
+    return float((ra * rb).sum() / den)
+
+
+def rank_agreement(low: torch.Tensor, high: torch.Tensor) -> dict[str, float]:
+    """Mean per-prompt Kendall tau and Spearman rho between the low-precision rewards
+    (G, k) of the selected candidates and the BF16 rewards of their regenerations. Rows
+    where either side is constant carry no ranking and are left out (nan if all are)."""
+    taus = [kendall_tau(x, y) for x, y in zip(low, high)]
+    rhos = [spearman_rho(x, y) for x, y in zip(low, high)]
+
+    def mean(values):
+        kept = [v for v in values if v == v]
+        return sum(kept) / len(kept) if kept else float("nan")
+
+    return {"kendall_tau": mean(taus), "spearman_rho": mean(rhos)}
