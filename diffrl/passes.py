@@ -118,9 +118,10 @@ def _group_passes(parts: list[tuple[int, torch.Tensor, torch.Tensor]], keep: tor
     into passes."""
     mb = cfg.train.micro_batch_size
     total = max(1, sum(int(a.sum()) for _, _, a in parts))
+    live_steps = max(1, sum(bool(a.any()) for _, _, a in parts))  # an all-padding step weighs nothing
     passes = []
     for t, part, alive in parts:
-        den = max(1, int(alive.sum())) * len(parts) if cfg.tree.loss_weighting == "depth" else total
+        den = max(1, int(alive.sum())) * live_steps if cfg.tree.loss_weighting == "depth" else total
         for i in range(0, len(part), mb):
             chunk, chunk_live = part[i:i + mb], alive[i:i + mb]
             kept = int((keep[chunk] & chunk_live).sum())

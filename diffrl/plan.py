@@ -47,15 +47,23 @@ def _solrl_numbers(cfg) -> dict[str, float]:
 
     sol, prompts, k = cfg.solrl, cfg.rollout.prompts_per_step, cfg.rollout.group_size
     steps = cfg.sampling.num_steps
+    out = {"solrl_pool_size": sol.pool_size}
     if cfg.rollout.strategy == "tree":
+        from diffrl.algorithms.tree_credit import depth_pruned_steps
+
         spec = TreeSpec.from_config(cfg)
+        kinds = step_kinds(cfg.sampling, steps, 0, always_sde=spec.split_steps)
+        pruned = depth_pruned_steps(cfg.tree, 0)
         explore = prompts * spec.nfe_per_tree()
         regenerate = prompts * sum(min(spec.nodes_at(t), k) for t in range(steps))
+        if cfg.objective.name != "nft":  # NFT trains the leaves, as independent samples
+            out["trained_transitions_per_iteration_max"] = prompts * sum(
+                min(spec.nodes_at(t + 1), k) for t in range(steps)
+                if kinds[t] != "ode" and t not in pruned and spec.nodes_at(t + 1) > 1)
     else:
         explore_steps = (sol.explore_num_steps or steps) if sol.explore == "ode" else steps
         explore, regenerate = prompts * sol.pool_size * explore_steps, prompts * k * steps
-    return {"solrl_pool_size": sol.pool_size, "solrl_explore_nfe_per_iteration": explore,
-            "solrl_regenerate_nfe_per_iteration": regenerate}
+    return {**out, "solrl_explore_nfe_per_iteration": explore, "solrl_regenerate_nfe_per_iteration": regenerate}
 
 
 def derive(cfg, num_processes: int = 1) -> dict[str, float]:
@@ -83,6 +91,8 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     if cfg.solrl.enabled:
         solrl = _solrl_numbers(cfg)
         rollout_nfe = solrl["solrl_explore_nfe_per_iteration"] + solrl["solrl_regenerate_nfe_per_iteration"]
+        # a sub-tree's edges depend on the selection: report the bound, not a count
+        trained_rows = solrl.pop("trained_transitions_per_iteration_max", trained_rows)
         traj_bytes = per_process * (3 * steps + 1) * latent_numel(cfg) * 4
     elif cfg.rollout.strategy == "tree" and cfg.objective.name != "nft":
         tree = _tree_numbers(cfg, cfg.rollout.prompts_per_step // num_processes)
@@ -102,7 +112,8 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
         "rollout_nfe_per_leaf": rollout_nfe / samples,
         "rollout_nfe_vs_independent": rollout_nfe / (samples * steps),
         "rollout_transformer_rows_per_iteration": rollout_nfe * cfg_mult,
-        "trained_transitions_per_iteration": trained_rows,
+        ("trained_transitions_per_iteration_max" if cfg.solrl.enabled and cfg.rollout.strategy == "tree"
+         and cfg.objective.name != "nft" else "trained_transitions_per_iteration"): trained_rows,
         "training_transformer_rows_per_iteration": trained_rows * cfg.train.num_inner_epochs * cfg_mult * ref_mult,
         "optimizer_steps_per_iteration": opt_steps,
         "optimizer_steps_total": opt_steps * cfg.train.max_steps,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 
 import torch
 from accelerate import Accelerator
@@ -24,7 +23,7 @@ from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
 from diffrl.data import load_prompts, plan_step
 from diffrl.evaluation import evaluate
-from diffrl.metrics import MetricsLogger
+from diffrl.metrics import MetricsLogger, StageClock
 from diffrl.models import build_adapter
 from diffrl.plan import derive, format_plan
 from diffrl.policy import EMA, OldPolicy, Policy
@@ -116,14 +115,13 @@ class Trainer:
             return {"groups": groups, "cond": out.cond, "traj": out.traj, "total": out.total,
                     "comps": out.components, "logs": out.logs, "extra": out.metrics,
                     "nfe": out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]}
-        t0 = time.time()
-        with torch.no_grad(), self.acc.autocast():
+        clock = StageClock(self.acc.device)
+        with clock.stage("rollout"), torch.no_grad(), self.acc.autocast():
             traj = self.strategy(self.adapter, self.adapter.transformer, cond, local.keys, cfg, iteration=step)
-        t1 = time.time()
-        total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
-        timing = {"time/rollout": t1 - t0, "time/reward": time.time() - t1}
+        with clock.stage("reward"):
+            total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
         return {"groups": local.group_ids, "cond": cond, "traj": traj, "total": total, "comps": comps,
-                "logs": logs, "extra": timing, "nfe": traj.nfe}
+                "logs": logs, "extra": clock.metrics, "nfe": traj.nfe}
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate ``t`` over processes along dim 0; lengths may differ (Sol-RL
@@ -166,7 +164,7 @@ class Trainer:
             col = values[:, i]
             if k.endswith(("_nfe", "/syncs")):
                 out[k] = float(col.sum())
-            elif k.startswith("time/"):
+            elif k.startswith(("time/", "memory/")):
                 out[k] = float(col.max())
             else:
                 out[k] = float(col.nanmean())
@@ -201,9 +199,10 @@ class Trainer:
         if not bool(torch.isfinite(all_total).all()):
             self.counters.skipped_nonfinite_reward += 1
         else:
-            t0 = time.time()
-            metrics.update(self.updater.run(traj, cond, adv, keep, step, train))
-            metrics["time/update"] = time.time() - t0
+            clock = StageClock(self.acc.device)
+            with clock.stage("update"):
+                metrics.update(self.updater.run(traj, cond, adv, keep, step, train))
+            metrics.update(self.across_processes(clock.metrics))
         if self.old_policy is not None:
             self.old_policy.refresh(step)
         metrics.update({"skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,

@@ -131,3 +131,17 @@ def test_two_gloo_processes_run_solrl_sub_trees_of_different_shapes(tmp_path):
     for key in ("reward/mean", "solrl/pool_reward_mean", "rollout/nfe", "tree/edges"):
         assert r1[key] == pytest.approx(r2[key], rel=1e-6, abs=1e-9), key
     assert all(math.isfinite(r["loss"]) for r in _rows(tmp_path / "two"))
+
+
+def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
+    """The product card's `train.py --config flux_solrl.yaml`: the dry run prints the
+    Sol-RL plan; a real start gets as far as loading FLUX.1-dev, which offline fails with
+    one line saying how to point the config at local weights."""
+    dry = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--dry-run"])
+    assert dry.returncode == 0, dry.stderr
+    assert "solrl_explore_nfe_per_iteration          3248" in dry.stdout  # 16 trees x 203 NFE
+    start = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml",
+                  "--set", f"output_dir={tmp_path}"])
+    assert start.returncode == 2 and "Traceback" not in start.stderr
+    assert "could not load FluxPipeline from 'black-forest-labs/FLUX.1-dev'" in start.stderr
+    assert "model.pretrained: DIR" in start.stderr

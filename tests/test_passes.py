@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffrl.config import load_config
-from diffrl.passes import edge_major, optimizer_steps_per_epoch, sample_major
+from diffrl.passes import edge_major, optimizer_steps_per_epoch, sample_major, step_edge_counts
 from diffrl.sampling import TreeSpec
 
 
@@ -82,3 +82,41 @@ def test_masked_edges_weigh_as_zero_losses(weighting):
             assert p.share[0] == kept
             per_edge = Fraction(1, edges[p.t] * len(edges)) if weighting == "depth" else Fraction(1, sum(edges.values()))
             assert Fraction(*p.share) == kept * per_edge
+
+
+def _thinned(mask, depth, seed):
+    """``mask`` with a random third of each step's edges removed: a sub-tree-like shape."""
+    g = torch.Generator().manual_seed(seed)
+    out = mask.clone()
+    for d in range(1, 11):
+        idx = torch.nonzero(mask & (depth == d)).flatten()
+        out[idx[torch.randperm(len(idx), generator=g)[:len(idx) // 3 + (d + seed) % 3]]] = False
+    return out
+
+
+@pytest.mark.parametrize("weighting", ["edge", "depth"])
+def test_padding_gives_processes_one_pass_structure_and_leaves_live_rows_alone(weighting):
+    """Two processes with differently shaped trees (Sol-RL sub-trees): padded to the per-step
+    maximum, both get the same passes of the same sizes; dead rows sit at the right depth,
+    and the live rows carry exactly the shares the unpadded plan gives them."""
+    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    mask, depth = _mask(3)
+    a, b = _thinned(mask, depth, 0), _thinned(mask, depth, 1)
+    counts_a, counts_b = step_edge_counts(a, depth, cfg), step_edge_counts(b, depth, cfg)
+    assert counts_a != counts_b
+    pad = {t: max(counts_a.get(t, 0), counts_b.get(t, 0)) for t in set(counts_a) | set(counts_b)}
+    plans = [edge_major(m, depth, 256, cfg, 5, 0, pad_to=pad) for m in (a, b)]
+    shape = [[(p.t, len(p.rows)) for p in g] for g in plans[0]]
+    assert shape == [[(p.t, len(p.rows)) for p in g] for g in plans[1]]
+    for m, plan in zip((a, b), plans):
+        live_rows = []
+        for g in plan:
+            live_share, group_live = Fraction(0), 0
+            for p in g:
+                live = p.live or [True] * len(p.rows)
+                assert all(int(depth[r]) - 1 == p.t for r in p.rows)  # dead rows repeat a node of that depth
+                assert p.share[0] == sum(live)  # keep is all True here: the numerator counts live rows only
+                live_rows += [r for r, alive in zip(p.rows, live) if alive]
+                live_share, group_live = live_share + Fraction(*p.share), group_live + sum(live)
+            assert live_share == (1 if group_live else 0)  # each optimizer step averages its live edges
+        assert sorted(live_rows) == torch.nonzero(m).flatten().tolist()  # every live edge once

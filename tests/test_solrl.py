@@ -26,7 +26,7 @@ def _stage_run(trainer, step=0):
     cond = trainer.adapter.encode_prompts(plan.prompts)
     stage = trainer.solrl
     with torch.no_grad():
-        pool = stage.explore(trainer.adapter, trainer.adapter.transformer, cond, plan.keys, step)
+        pool = stage.explore(trainer.adapter, stage.explorer(trainer.adapter.transformer), cond, plan.keys, step)
     out = stage.run(trainer.adapter, trainer.adapter.transformer, cond, plan.prompts, plan.keys, step)
     return pool, out, plan
 
@@ -130,10 +130,13 @@ def test_two_solrl_steps_train_with_finite_loss(name, overrides, tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in trainer.policy.trainable_named_parameters())
     row = history[-1]
     assert row["rollout/nfe"] == row["solrl/explore_nfe"] + row["solrl/regenerate_nfe"]
-    for key in ("time/explore", "time/regenerate", "solrl/kendall_tau", "solrl/spearman_rho"):
+    for key in ("time/sync", "time/explore", "time/regenerate", "time/update", "solrl/kendall_tau",
+                "solrl/spearman_rho"):
         assert key in row
     assert row["solrl/explore_nfe"] == trainer.numbers["solrl_explore_nfe_per_iteration"]
     assert row["solrl/regenerate_nfe"] <= trainer.numbers["solrl_regenerate_nfe_per_iteration"]
+    if "tree/edges_after_pruning" in row:  # a sub-tree: the plan gives the bound
+        assert 0 < row["tree/edges_after_pruning"] <= trainer.numbers["trained_transitions_per_iteration_max"]
 
 
 @pytest.mark.parametrize("objective", ["flow_grpo", "nft"])

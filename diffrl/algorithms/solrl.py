@@ -25,12 +25,12 @@ the whole model once per optimizer step.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from diffrl.algorithms.selection import rank_agreement, select_subset
+from diffrl.metrics import StageClock
 from diffrl.sampling import TreeTrajectory, get_strategy, rollout_independent
 from diffrl.sampling.subtree import regenerate_subtree
 
@@ -79,9 +79,9 @@ class SolRLStage:
         return self.copy.model
 
     # -- stages -----------------------------------------------------------------------
-    def explore(self, adapter, transformer, cond, keys, iteration: int):
+    def explore(self, adapter, model, cond, keys, iteration: int):
+        """Stage 1 with ``model``, the exploration copy (see :meth:`explorer`)."""
         cfg, sol = self.cfg, self.cfg.solrl
-        model = self.explorer(transformer)
         if sol.explore == "ode":
             n = sol.explore_num_steps or cfg.sampling.num_steps
             return rollout_independent(adapter, model, cond, keys, cfg, num_steps=n, kinds=["ode"] * n)
@@ -103,28 +103,27 @@ class SolRLStage:
         n, k = cfg.solrl.pool_size, cfg.rollout.group_size
         groups = len(keys) // n
         ctx = autocast or contextlib.nullcontext  # a factory: each stage enters a fresh context
-        t0 = time.time()
-        with torch.no_grad(), ctx():
-            pool = self.explore(adapter, transformer, cond, keys, iteration)
-        t1 = time.time()
-        pool_total, _, _ = self.reward_fn(pool.images, prompts, {"keys": keys})
-        t2 = time.time()
-        chosen = select_subset(pool_total.reshape(groups, n), k, cfg.solrl.select, tuple(keys[0][:-1]))
-        flat = (chosen + n * torch.arange(groups).unsqueeze(1)).flatten()
-        t3 = time.time()
-        with torch.no_grad(), ctx():
+        clock = StageClock(adapter.device)
+        with clock.stage("sync"):  # re-quantize if the policy moved since the last pool
+            model = self.explorer(transformer)
+        with clock.stage("explore"), torch.no_grad(), ctx():
+            pool = self.explore(adapter, model, cond, keys, iteration)
+        with clock.stage("pool_reward"):
+            pool_total, _, _ = self.reward_fn(pool.images, prompts, {"keys": keys})
+        with clock.stage("select"):
+            chosen = select_subset(pool_total.reshape(groups, n), k, cfg.solrl.select, tuple(keys[0][:-1]))
+            flat = (chosen + n * torch.arange(groups).unsqueeze(1)).flatten()
+        with clock.stage("regenerate"), torch.no_grad(), ctx():
             traj, train_cond = self.regenerate(adapter, transformer, cond, pool, flat, keys, iteration)
-        t4 = time.time()
         sel_prompts = [prompts[i] for i in flat.tolist()]
-        total, comps, logs = self.reward_fn(traj.images, sel_prompts, {"keys": [keys[i] for i in flat.tolist()]})
-        t5 = time.time()
+        with clock.stage("reward"):
+            total, comps, logs = self.reward_fn(traj.images, sel_prompts, {"keys": [keys[i] for i in flat.tolist()]})
         low = pool_total.reshape(-1)[flat].reshape(groups, k).cpu()
         agree = rank_agreement(low, total.reshape(groups, k).cpu())
         metrics = {
             "solrl/kendall_tau": agree["kendall_tau"], "solrl/spearman_rho": agree["spearman_rho"],
             "solrl/pool_reward_mean": float(pool_total.mean()), "solrl/selected_pool_reward_mean": float(low.mean()),
             "solrl/explore_nfe": pool.nfe, "solrl/regenerate_nfe": traj.nfe, "solrl/syncs": self.syncs,
-            "time/explore": t1 - t0, "time/pool_reward": t2 - t1, "time/select": t3 - t2,
-            "time/regenerate": t4 - t3, "time/reward": t5 - t4,
+            **clock.metrics,
         }
         return SolRLRollout(traj, train_cond, sel_prompts, total, comps, logs, chosen, metrics)
