@@ -71,6 +71,7 @@ class Trainer:
 
         self.adapter = build_adapter(cfg.model)
         self.adapter.to(self.acc.device)
+        self.reward_fn.to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed)
         opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                 weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps)

@@ -21,6 +21,14 @@ class MultiReward:
         self.weights = torch.tensor([float(s.weight) for s in specs])
         self.models = [rewards.build(s.name, **dict(s.args)) for s in specs]
 
+    def to(self, device) -> MultiReward:
+        """Move every model-based reward to ``device`` (the policy's), so scoring runs where
+        the images are; weight-free rewards have no ``to`` and stay on the CPU."""
+        for model in self.models:
+            if hasattr(model, "to"):
+                model.to(device)
+        return self
+
     def check_prompts(self, prompts: list[str], source: str = "prompts") -> None:
         """Let rewards that only understand a prompt grammar reject a prompt list up front
         (one clear error at start-up instead of zero rewards mid-run)."""

@@ -60,3 +60,28 @@ def test_multireward_weights_and_components():
     size = logs["jpeg_size_kb"]
     torch.testing.assert_close(comps, torch.stack([-size, size], 1))
     torch.testing.assert_close(total, -2.0 * size + 0.5 * size)
+
+
+class _DeviceRecorder:
+    name = "device_recorder"
+
+    def __init__(self):
+        self.device = None
+
+    def to(self, device):
+        self.device = device
+        return self
+
+    def __call__(self, images, prompts, metadata):
+        return {self.name: images.flatten(1).mean(1)}
+
+
+def test_multireward_moves_model_rewards_to_the_policy_device():
+    from diffrl.config import RewardSpec
+
+    rewards.register("device_recorder", "tests.rewards.test_registry_and_jpeg:_DeviceRecorder")
+    multi = MultiReward([RewardSpec(name="device_recorder"), RewardSpec(name="jpeg_compressibility")])
+    assert multi.to("cpu") is multi
+    assert multi.models[0].device == "cpu"  # jpeg has no .to and is left alone
+    total, comps, logs = multi(torch.rand(2, 3, 16, 16), ["a", "b"])
+    assert comps.shape == (2, 2) and set(logs) >= {"device_recorder", "jpeg_compressibility"}
