@@ -19,6 +19,14 @@ _REGISTRY: dict[str, str] = {
     "jpeg_compressibility": "rewards.jpeg:JpegCompressibility",
     "jpeg_incompressibility": "rewards.jpeg:JpegIncompressibility",
     "shapeworld": "rewards.shapeworld:ShapeWorldVerifier",
+    "hpsv2": "rewards.hps:HPSv2",
+    "hpsv21": "rewards.hps:HPSv21",
+    "imagereward": "rewards.imagereward:ImageReward",
+    "pickscore": "rewards.pickscore:PickScore",
+    "clipscore": "rewards.clipscore:CLIPScore",
+    "aesthetic": "rewards.aesthetic:LaionAesthetic",
+    "video_frames": "rewards.video:FrameReward",
+    "temporal_consistency": "rewards.video:TemporalConsistency",
 }
 
 

@@ -20,6 +20,9 @@ def to_tensor_batch(images) -> torch.Tensor:
             if not hasattr(im, "convert"):
                 raise RewardInputError(f"image {i} is {type(im).__name__}; expected a PIL image or a tensor batch")
             arrays.append(torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1))
+        sizes = sorted({tuple(a.shape[1:]) for a in arrays})
+        if len(sizes) > 1:
+            raise RewardInputError(f"PIL images in one batch must share a size; got {sizes} (resize them first)")
         return torch.stack(arrays)
     if not isinstance(images, torch.Tensor):
         raise RewardInputError(f"reward got {type(images).__name__}; expected a float tensor or a list of PIL images")
