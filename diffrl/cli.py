@@ -15,11 +15,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diffrl.data import PromptFileError
     from diffrl.models.base import ModelLoadError
     from rewards import UnknownRewardError
+    from rewards.clip_common import MissingRewardWeightsError
     from rewards.combine import RewardPromptError
+    from rewards.imagereward import ImageRewardCheckpointError, ImageRewardFilesMissing
     from rewards.images import RewardInputError
 
     return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError,
-            RewardPromptError)
+            RewardPromptError, MissingRewardWeightsError, ImageRewardFilesMissing, ImageRewardCheckpointError)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -135,13 +135,19 @@ def test_two_gloo_processes_run_solrl_sub_trees_of_different_shapes(tmp_path):
 
 def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     """The product card's `train.py --config flux_solrl.yaml`: the dry run prints the
-    Sol-RL plan; a real start gets as far as loading FLUX.1-dev, which offline fails with
-    one line saying how to point the config at local weights."""
+    Sol-RL plan; a real start gets as far as loading its HPSv2.1 reward (rewards load
+    before the model, so bad inputs fail fast), which offline fails with one line saying
+    how to fetch it; with that reward swapped for a weight-free one, it gets to
+    FLUX.1-dev and fails the same way."""
     dry = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--dry-run"])
     assert dry.returncode == 0, dry.stderr
     assert "solrl_explore_nfe_per_iteration          3248" in dry.stdout  # 16 trees x 203 NFE
     start = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml",
                   "--set", f"output_dir={tmp_path}"])
     assert start.returncode == 2 and "Traceback" not in start.stderr
-    assert "could not load FluxPipeline from 'black-forest-labs/FLUX.1-dev'" in start.stderr
-    assert "model.pretrained: DIR" in start.stderr
+    assert "hpsv21: weights not found" in start.stderr and "huggingface-cli download xswu/HPSv2" in start.stderr
+    model = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--set", f"output_dir={tmp_path}",
+                  "--set", "rewards=[{name: jpeg_compressibility}]"])
+    assert model.returncode == 2 and "Traceback" not in model.stderr
+    assert "could not load FluxPipeline from 'black-forest-labs/FLUX.1-dev'" in model.stderr
+    assert "model.pretrained: DIR" in model.stderr
