@@ -65,6 +65,21 @@ def load_pairs(path: str | Path) -> list[Pair]:
     return pairs
 
 
+def pairs_from_rankings(entries, image_root: str = "") -> list[dict]:
+    """Preference rows from ranked image sets (HPDv2's test.json: ``prompt``, ``image_path``
+    (a list) and ``rank`` (a list, lower is better)): every pair of one prompt's images,
+    labelled by rank, equal ranks a tie."""
+    rows = []
+    for entry in entries:
+        paths, ranks = entry["image_path"], entry["rank"]
+        for i in range(len(paths)):
+            for j in range(i + 1, len(paths)):
+                label = "tie" if ranks[i] == ranks[j] else ("a" if ranks[i] < ranks[j] else "b")
+                rows.append({"prompt": entry["prompt"], "image_a": str(Path(image_root) / paths[i]),
+                             "image_b": str(Path(image_root) / paths[j]), "label": label})
+    return rows
+
+
 def load_folder(directory: str | Path) -> tuple[list[Path], list[str]]:
     """Images of a folder with their prompts from ``prompts.jsonl`` ({"image", "prompt"})."""
     directory = Path(directory)

@@ -81,3 +81,10 @@ def test_cli_writes_json_markdown_and_png(tmp_path, capsys):
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="unknown reward 'hpsv9'"):
         module.main(["--reward", "hpsv9", "--out", str(tmp_path), "--no-speed"])
+
+
+def test_pairs_from_rankings_labels_every_pair_by_rank():
+    rows = bench.pairs_from_rankings([{"prompt": "p", "image_path": ["x.png", "y.png", "z.png"], "rank": [2, 1, 2]}],
+                                     image_root="imgs")
+    assert [(r["image_a"], r["image_b"], r["label"]) for r in rows] == [
+        ("imgs/x.png", "imgs/y.png", "b"), ("imgs/x.png", "imgs/z.png", "tie"), ("imgs/y.png", "imgs/z.png", "a")]
