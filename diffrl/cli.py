@@ -12,6 +12,7 @@ from diffrl.plan import derive, format_plan
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Error types that mean bad input: printed as one line, never as a traceback."""
     from diffrl.checkpoint import CheckpointError
+    from diffrl.compare import CompareError
     from diffrl.data import PromptFileError
     from diffrl.models.base import ModelLoadError
     from rewards import UnknownRewardError
@@ -21,7 +22,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rewards.images import RewardInputError
 
     return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError,
-            RewardPromptError, MissingRewardWeightsError, ImageRewardFilesMissing, ImageRewardCheckpointError)
+            RewardPromptError, MissingRewardWeightsError, ImageRewardFilesMissing, ImageRewardCheckpointError,
+            CompareError)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,3 +62,12 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_cli(fn, argv=None) -> None:
+    """Run a script's ``main``; bad input ends with one ``error:`` line and exit code 2."""
+    try:
+        fn(argv)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

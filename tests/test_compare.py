@@ -1,0 +1,96 @@
+"""compare.py on tiny twins: 2 checkpoints x 2 prompts x 2 seeds give the right grid,
+HTML and JSONL; identical checkpoints give identical tiles (same noise, same pixels);
+RLG columns at w = 0 / 1 equal base / the checkpoint exactly; bad inputs are one error."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from diffrl.compare import CompareError
+from diffrl.config import load_config
+from diffrl.data import PromptFileError
+from diffrl.models import build_adapter
+from diffrl.policy import Policy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("compare_script", ROOT / "scripts" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _checkpoint(config: str, path: Path, seed: int) -> Path:
+    """A diffrl-style checkpoint directory holding perturbed LoRA weights."""
+    cfg = load_config(config)
+    policy = Policy(build_adapter(cfg.model), cfg.model, cfg.seed)
+    g = torch.Generator().manual_seed(seed)
+    state = {n: p.detach() + 0.2 * torch.randn(p.shape, generator=g) for n, p in policy.trainable_named_parameters()}
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "trainable.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("config", ["tiny_toy_flowgrpo", "tiny_flux_flowgrpo"])
+def test_grid_html_and_jsonl_have_the_right_shape_and_identical_checkpoints_match(config, tmp_path):
+    a = _checkpoint(config, tmp_path / "a", 0)
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "trainable.safetensors").write_bytes((a / "trainable.safetensors").read_bytes())
+    out = _script().main(["--config", config, "--checkpoint", "base", "--checkpoint", f"a={a}",
+                          "--checkpoint", f"b={b}", "--num-prompts", "2", "--seeds", "0", "1", "--steps", "2",
+                          "--out", str(tmp_path / "out"), "--scale", "1"])
+    tiles = {(t.prompt_index, t.seed, t.column): t for t in out["tiles"]}
+    assert len(tiles) == 2 * 2 * 3
+    for p in range(2):
+        for s in (0, 1):
+            assert torch.equal(tiles[(p, s, "a")].image, tiles[(p, s, "b")].image)
+            assert not torch.equal(tiles[(p, s, "a")].image, tiles[(p, s, "base")].image)
+            assert all(v == 0 for v in tiles[(p, s, "base")].delta.values())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "scores.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and {r["checkpoint"] for r in rows} == {"base", "a", "b"}
+    tile = tiles[(0, 0, "a")].image
+    grid = Image.open(tmp_path / "out" / "grid.png")
+    assert grid.size == (3 * tile.shape[-1], 4 * (tile.shape[-2] + 44))
+    page = (tmp_path / "out" / "index.html").read_text()
+    body = page.split("<tbody>")[1]
+    assert body.count("<tr>") == 4 and body.count("<img ") == 12
+    assert len(re.findall(r"onclick='sortBy\(", page)) >= 3
+
+
+def test_rlg_columns_at_zero_and_one_are_base_and_the_checkpoint(tmp_path):
+    a = _checkpoint("tiny_toy_flowgrpo", tmp_path / "a", 1)
+    out = _script().main(["--config", "tiny_toy_flowgrpo", "--checkpoint", "base", "--checkpoint", f"a={a}",
+                          "--rlg-scales", "0,1,2", "--num-prompts", "2", "--seeds", "3", "--steps", "2",
+                          "--out", str(tmp_path / "out")])
+    tiles = {(t.prompt_index, t.column): t.image for t in out["tiles"]}
+    plain = _script().main(["--config", "tiny_toy_flowgrpo", "--checkpoint", f"a={a}", "--num-prompts", "2",
+                            "--seeds", "3", "--steps", "2", "--out", str(tmp_path / "plain")])
+    aligned = {t.prompt_index: t.image for t in plain["tiles"]}
+    for p in range(2):
+        assert torch.equal(tiles[(p, "a@0")], tiles[(p, "base")])
+        assert torch.equal(tiles[(p, "a@1")], aligned[p])
+        assert not torch.equal(tiles[(p, "a@2")], aligned[p])
+
+
+def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
+    script = _script()
+    with pytest.raises(CompareError, match="no trainable.safetensors or pytorch_lora_weights.safetensors"):
+        script.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", f"x={tmp_path / 'missing'}"])
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text("{not json}\n")
+    with pytest.raises(PromptFileError, match="prompts.jsonl:1: invalid JSON"):
+        script.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", "base", "--prompts", str(bad)])
+    from diffrl.cli import run_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(script.main, ["--config", "tiny_toy_flowgrpo", "--checkpoint", f"x={tmp_path / 'missing'}"])
+    assert exit_info.value.code == 2 and "error: checkpoint 'x=" in capsys.readouterr().err
