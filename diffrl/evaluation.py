@@ -59,9 +59,14 @@ def diversity(thumbs: torch.Tensor, prompt_index: list[int]) -> float:
     return float(torch.stack(per_prompt).mean()) if per_prompt else float("nan")
 
 
+SHEET_SIZE = 16
+
+
 @torch.no_grad()
-def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], cfg) -> dict[str, float]:
-    """Mean of every reward score over the eval set as ``eval/<name>/mean``, plus ``eval/diversity``."""
+def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], cfg, sheet_path=None) -> dict[str, float]:
+    """Mean of every reward score over the eval set as ``eval/<name>/mean``, plus
+    ``eval/diversity``. With ``sheet_path`` the main process also saves its first
+    samples (the fixed eval noise, so sheets of different steps line up) as a PNG."""
     plan_prompts, keys = eval_plan(prompts, cfg.eval.num_prompts, cfg.eval.seeds)
     n = len(keys)
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -73,6 +78,12 @@ def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], c
     with accelerator.autocast():
         traj = rollout_independent(adapter, transformer, cond, local_k, cfg, num_steps=steps, kinds=["ode"] * steps)
     _, _, logs = reward_fn(traj.images, local_p, {"keys": local_k})
+    if sheet_path is not None and accelerator.is_main_process:
+        from diffrl.plots import image_sheet
+
+        first = logs[cfg.rewards[0].name][:SHEET_SIZE].tolist()
+        captions = [f"s{k[2]} {v:.2f} {p}" for k, v, p in zip(local_k, first, local_p)]
+        image_sheet(traj.images[:SHEET_SIZE].cpu(), captions).save(sheet_path)
     names = sorted(logs)
     local = torch.stack([logs[k] for k in names], dim=1).to(accelerator.device)
     gathered = accelerator.gather(local)[:n]

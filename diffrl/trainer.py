@@ -214,7 +214,11 @@ class Trainer:
     def evaluate(self) -> dict:
         ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
         with ctx:
-            return evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn, self.eval_prompts, self.cfg)
+            sheets = self.cfg.run_dir / "samples"
+            if self.acc.is_main_process:
+                sheets.mkdir(parents=True, exist_ok=True)
+            return evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn, self.eval_prompts,
+                            self.cfg, sheet_path=sheets / f"step-{self.step}.png")
 
     # -- loop -----------------------------------------------------------------------------
     def resume(self, spec: str) -> None:

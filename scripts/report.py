@@ -1,0 +1,105 @@
+"""Training report from one or more run directories (their ``metrics.jsonl``), overlaid:
+reward against step and against wall time, the held-out headline metric, KL, clip
+fraction, diversity, and for Sol-RL runs the stage times and the low-precision vs BF16
+rank agreement. Writes ``report.png`` and ``summary.md``.
+
+    python scripts/report.py outputs/toy_flowgrpo
+    python scripts/report.py outputs/toy_flowgrpo outputs/toy_solrl --out outputs/report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diffrl.plots import panels  # noqa: E402
+
+STAGES = ("time/explore", "time/regenerate", "time/rollout", "time/update", "time/sync")
+
+
+class ReportError(ValueError):
+    pass
+
+
+def load_run(path: Path) -> list[dict]:
+    metrics = Path(path) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ReportError(f"'{path}' has no metrics.jsonl; pass a run directory (output_dir of a training run)")
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def headline(rows: list[dict]) -> str | None:
+    keys = {k for r in rows for k in r if k.startswith("eval/") and k.endswith("/mean")}
+    strict = sorted(k for k in keys if k.endswith("_strict/mean"))
+    return strict[0] if strict else (sorted(keys)[0] if keys else None)
+
+
+def series(runs: dict[str, list[dict]], key: str, x: str = "step"):
+    return [(name, [r[x] for r in rows if r.get(key) is not None], [r[key] for r in rows if r.get(key) is not None])
+            for name, rows in runs.items()]
+
+
+def build_panels(runs: dict[str, list[dict]]):
+    main = next((headline(rows) for rows in runs.values() if headline(rows)), None)
+    specs = [("reward/mean", "step", series(runs, "reward/mean")),
+             ("reward/mean vs wall time", "seconds", series(runs, "reward/mean", "wall_time"))]
+    if main:
+        specs += [(f"{main} (held out)", "step", series(runs, main)),
+                  (f"{main} vs wall time", "seconds", series(runs, main, "wall_time"))]
+    for key in ("kl", "approx_kl", "clipfrac", "eval/diversity", "solrl/kendall_tau", "solrl/spearman_rho"):
+        if any(key in r for rows in runs.values() for r in rows):
+            specs.append((key, "step", series(runs, key)))
+    for name, rows in runs.items():
+        present = [k for k in STAGES if any(k in r for r in rows)]
+        if present:
+            specs.append((f"stage seconds: {name}", "step",
+                          [(k.removeprefix("time/"), *series({name: rows}, k)[0][1:]) for k in present]))
+    return specs, main
+
+
+def summary(runs: dict[str, list[dict]], main: str | None) -> str:
+    lines = ["| run | iterations | wall time (min) | reward first -> last 10 | "
+             f"{main or 'held-out'} first -> last (best) | mean s per stage |", "|---|---|---|---|---|---|"]
+    for name, rows in runs.items():
+        train = [r for r in rows if "reward/mean" in r]
+        evals = [r[main] for r in rows if main and r.get(main) is not None]
+        reward = ([r["reward/mean"] for r in train[:10]], [r["reward/mean"] for r in train[-10:]])
+        stages = ", ".join(f"{k.removeprefix('time/')} {statistics.mean(r[k] for r in train if k in r):.2f}"
+                           for k in STAGES if any(k in r for r in train))
+        rw = f"{statistics.mean(reward[0]):.3f} -> {statistics.mean(reward[1]):.3f}" if train else "-"
+        ev = f"{evals[0]:.3f} -> {evals[-1]:.3f} ({max(evals):.3f})" if evals else "-"
+        lines.append(f"| {name} | {len(train)} | {rows[-1].get('wall_time', 0) / 60:.1f} | {rw} | {ev} | {stages or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories; NAME=DIR to label one")
+    ap.add_argument("--out", help="output directory (default: the first run's)")
+    args = ap.parse_args(argv)
+    runs = {}
+    for spec in args.runs:
+        name, sep, path = spec.partition("=")
+        path = path if sep else spec
+        runs[name if sep else Path(spec).name] = load_run(Path(path))
+    out = Path(args.out or (args.runs[0].partition("=")[2] or args.runs[0]))
+    out.mkdir(parents=True, exist_ok=True)
+    specs, main_key = build_panels(runs)
+    panels(specs).save(out / "report.png")
+    (out / "summary.md").write_text(summary(runs, main_key))
+    print(summary(runs, main_key))
+    print(f"wrote {out / 'report.png'} and {out / 'summary.md'}")
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
