@@ -42,7 +42,8 @@ class Tile:
 
 def parse_checkpoints(specs: list[str]) -> list[Column]:
     """``base``, ``PATH`` or ``NAME=PATH``; a checkpoint directory holds
-    ``trainable.safetensors`` (a diffrl checkpoint) or ``pytorch_lora_weights.safetensors``."""
+    ``trainable.safetensors`` (a diffrl checkpoint), ``pytorch_lora_weights.safetensors``
+    (a diffusers LoRA) or ``transformer/`` (a full fine-tune, with a full_finetune config)."""
     cols = []
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -52,9 +53,11 @@ def parse_checkpoints(specs: list[str]) -> list[Column]:
             cols.append(Column("base", None))
             continue
         p = Path(path)
-        if not (p / "trainable.safetensors").is_file() and not (p / "pytorch_lora_weights.safetensors").is_file():
-            raise CompareError(f"checkpoint '{spec}': no trainable.safetensors or pytorch_lora_weights.safetensors in "
-                               f"'{p}'; pass a run's checkpoints/step-N directory or a diffusers LoRA directory")
+        if not any((p / f).exists() for f in ("trainable.safetensors", "pytorch_lora_weights.safetensors",
+                                              "transformer")):
+            raise CompareError(f"checkpoint '{spec}': no trainable.safetensors, pytorch_lora_weights.safetensors or "
+                               f"transformer/ in '{p}'; pass a run's checkpoints/step-N directory, a diffusers LoRA "
+                               "directory or a full fine-tune's directory")
         cols.append(Column(name, p))
     if len({c.name for c in cols}) != len(cols):
         raise CompareError(f"checkpoint names must be unique, got {[c.name for c in cols]}; use NAME=PATH")
@@ -76,8 +79,15 @@ def load_weights(policy, path: Path) -> None:
     """Load a checkpoint's LoRA into the policy (exact fp32 tensors when available)."""
     from safetensors.torch import load_file
 
+    if not policy.is_lora and (path / "transformer").is_dir() and not (path / "trainable.safetensors").is_file():
+        full = type(policy.transformer).from_pretrained(str(path / "transformer"))
+        policy.transformer.load_state_dict(full.state_dict())
+        return
     if (path / "trainable.safetensors").is_file():
-        policy.load_trainable_state_dict(load_file(str(path / "trainable.safetensors"), device="cpu"))
+        try:
+            policy.load_trainable_state_dict(load_file(str(path / "trainable.safetensors"), device="cpu"))
+        except ValueError as err:
+            raise CompareError(f"checkpoint '{path}': {err}; compare it with the config it was trained with") from None
         return
     from peft.utils import set_peft_model_state_dict
 
@@ -104,7 +114,10 @@ def column_model(policy, column: Column):
     """The module that samples a column (weights must already be loaded)."""
     if column.path is None:
         return None  # the caller samples base with adapters disabled
-    return policy.transformer if column.scale is None else GuidedTransformer(policy.transformer, column.scale)
+    if column.scale is None:
+        return policy.transformer
+    # LoRA: adapters on / off on one model; full fine-tune: the frozen base copy
+    return GuidedTransformer(policy.transformer, column.scale, base=None if policy.is_lora else policy.frozen_reference)
 
 
 def run_comparison(adapter, policy, columns: list[Column], prompts: list[str], seeds: list[int], steps: int, cfg,

@@ -78,12 +78,15 @@ def _data_uri(tile) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-_SCRIPT = """
+_SCRIPT = r"""
 function sortBy(col){const t=document.getElementById('grid');const b=t.tBodies[0];
 const rows=[...b.rows];const dir=t.dataset.col==col&&t.dataset.dir=='desc'?'asc':'desc';
 rows.sort((x,y)=>{const a=parseFloat(x.cells[col].dataset.v),c=parseFloat(y.cells[col].dataset.v);
 const av=isNaN(a)?-Infinity:a,cv=isNaN(c)?-Infinity:c;return dir=='desc'?cv-av:av-cv});
 rows.forEach(r=>b.appendChild(r));t.dataset.col=col;t.dataset.dir=dir;}
+window.addEventListener('load',()=>{const m=location.hash.match(/sort=(\d+)/);if(m)sortBy(+m[1]);
+const imgs=[...document.images];document.body.dataset.imagesOk=imgs.filter(i=>i.complete&&i.naturalWidth>0).length;
+document.body.dataset.images=imgs.length;});
 """
 
 

@@ -83,7 +83,7 @@ def test_rlg_columns_at_zero_and_one_are_base_and_the_checkpoint(tmp_path):
 
 def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
     script = _script()
-    with pytest.raises(CompareError, match="no trainable.safetensors or pytorch_lora_weights.safetensors"):
+    with pytest.raises(CompareError, match="no trainable.safetensors, pytorch_lora_weights.safetensors or transformer"):
         script.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", f"x={tmp_path / 'missing'}"])
     bad = tmp_path / "prompts.jsonl"
     bad.write_text("{not json}\n")
@@ -94,3 +94,30 @@ def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_cli(script.main, ["--config", "tiny_toy_flowgrpo", "--checkpoint", f"x={tmp_path / 'missing'}"])
     assert exit_info.value.code == 2 and "error: checkpoint 'x=" in capsys.readouterr().err
+
+
+def test_video_tiles_become_frame_strips_and_gifs(tmp_path):
+    a = _checkpoint("tiny_wan_flowgrpo", tmp_path / "a", 2)
+    out = _script().main(["--config", "tiny_wan_flowgrpo", "--checkpoint", "base", "--checkpoint", f"a={a}",
+                          "--num-prompts", "1", "--seeds", "0", "--steps", "2", "--scale", "1",
+                          "--out", str(tmp_path / "out")])
+    video = out["tiles"][0].image
+    assert video.ndim == 4  # (F, 3, H, W)
+    frames = min(4, video.shape[0])
+    assert Image.open(tmp_path / "out" / "grid.png").size == (2 * frames * video.shape[-1], video.shape[-2] + 44)
+    assert (tmp_path / "out" / "index.html").read_text().count("data:image/gif;base64,") == 2
+
+
+def test_full_fine_tune_checkpoints_and_their_rlg(tmp_path):
+    overrides = ["--set", "model.full_finetune=true"]
+    cfg = load_config("tiny_flux_flowgrpo", ["model.full_finetune=true"])
+    policy = Policy(build_adapter(cfg.model), cfg.model, cfg.seed)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.01)
+    policy.save_pretrained(tmp_path / "full")
+    out = _script().main(["--config", "tiny_flux_flowgrpo", *overrides, "--checkpoint", "base",
+                          "--checkpoint", f"ft={tmp_path / 'full'}", "--rlg-scales", "0,1", "--num-prompts", "1",
+                          "--seeds", "0", "--steps", "2", "--out", str(tmp_path / "out")])
+    tiles = {t.column: t.image for t in out["tiles"]}
+    assert torch.equal(tiles["ft@0"], tiles["base"]) and not torch.equal(tiles["ft@1"], tiles["base"])
