@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the derived run plan and exit")
     p.add_argument("--resume", metavar="latest|PATH", help="continue from the newest checkpoint or a path")
     p.add_argument("--help-config", action="store_true", help="list every config key with its help text")
+    p.add_argument("--tiny-twin", action="store_true",
+                   help="run the config's algorithm on its family's offline tiny twin (a smoke test; see diffrl.twin)")
     args = p.parse_args(argv)
     if not args.help_config and not args.config:
         p.error("--config is required")
@@ -47,6 +49,13 @@ def main(argv=None) -> int:
         return 0
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.tiny_twin:
+            import os
+
+            from diffrl.twin import tiny_twin_overrides
+
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            cfg = load_config(args.config, tiny_twin_overrides(cfg, world) + list(args.overrides))
         if args.dry_run:
             import os
 

@@ -1,0 +1,46 @@
+"""Run any config on its family's tiny twin (``train.py --tiny-twin``): every algorithm
+setting (sampler, steps, tree, Sol-RL, objective, advantages, group sizes) is kept, and
+only what needs real weights or a GPU is swapped: the model becomes the offline tiny
+twin at 32x32 in fp32, one prompt per iteration, weight-free rewards in place of model
+rewards. A real-model config can so be proven offline in seconds (the CI does it for
+every shipped one).
+"""
+
+from __future__ import annotations
+
+import json
+
+WEIGHT_FREE = ("jpeg_compressibility", "jpeg_incompressibility", "shapeworld")
+_STAND_INS = ("jpeg_compressibility", "jpeg_incompressibility")
+
+
+def _rewards(cfg) -> list[dict]:
+    """The config's rewards with model rewards swapped for distinct weight-free ones."""
+    used = {r.name for r in cfg.rewards if r.name in WEIGHT_FREE}
+    spare = [n for n in _STAND_INS if n not in used]
+    out = []
+    for r in cfg.rewards:
+        args = dict(r.args)
+        if r.name == "video_frames":
+            if args.get("reward", "jpeg_compressibility") not in WEIGHT_FREE:
+                args = {**args, "reward": "jpeg_compressibility", "args": {}}
+            out.append({"name": r.name, "weight": r.weight, "args": args})
+        elif r.name in WEIGHT_FREE:
+            out.append({"name": r.name, "weight": r.weight, "args": args})
+        elif spare:
+            out.append({"name": spare.pop(0), "weight": r.weight})
+    return out
+
+
+def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
+    """``--set`` assignments that turn ``cfg`` into its tiny-twin smoke run."""
+    video = cfg.model.family == "wan"
+    return [
+        "model.pretrained=tiny", "model.height=32", "model.width=32", f"model.num_frames={5 if video else 1}",
+        "model.max_sequence_length=16", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8.0",
+        "model.lora.target_modules=null", "train.mixed_precision='no'", f"rollout.prompts_per_step={processes}",
+        "rollout.batch_size=16", "train.micro_batch_size=4", "train.gradient_accumulation=1", "train.max_steps=1",
+        "data.train_prompts=assets/prompts/tiny_train.txt", "data.eval_prompts=assets/prompts/tiny_eval.txt",
+        "eval.every=0", "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]",
+        f"run_name={cfg.run_name}_tiny_twin", f"rewards={json.dumps(_rewards(cfg))}",
+    ]
