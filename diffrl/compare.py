@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from diffrl.evaluation import eval_plan
 from diffrl.rlg import GuidedTransformer
 from diffrl.sampling.rollout import rollout_independent
 
@@ -102,8 +103,7 @@ def load_weights(policy, path: Path) -> None:
 
 def generate(adapter, model, prompts: list[str], seeds: list[int], steps: int, cfg) -> torch.Tensor:
     """Images for every (prompt, seed), prompt-major, from the evaluation noise keys."""
-    keys = [("eval", i, s) for i in range(len(prompts)) for s in seeds]
-    rows = [prompts[i] for i in range(len(prompts)) for _ in seeds]
+    rows, keys = eval_plan(prompts, len(prompts), seeds)  # the keys evaluation uses
     cond = adapter.encode_prompts(rows)
     with torch.no_grad():
         traj = rollout_independent(adapter, model, cond, keys, cfg, num_steps=steps, kinds=["ode"] * steps)

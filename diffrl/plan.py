@@ -93,7 +93,6 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
         rollout_nfe = solrl["solrl_explore_nfe_per_iteration"] + solrl["solrl_regenerate_nfe_per_iteration"]
         # a sub-tree's edges depend on the selection: report the bound, not a count
         trained_rows = solrl.pop("trained_transitions_per_iteration_max", trained_rows)
-        traj_bytes = per_process * (3 * steps + 1) * latent_numel(cfg) * 4
     elif cfg.rollout.strategy == "tree" and cfg.objective.name != "nft":
         tree = _tree_numbers(cfg, cfg.rollout.prompts_per_step // num_processes)
         rollout_nfe, trained_rows = tree["nfe"] * num_processes, tree["trained"] * num_processes

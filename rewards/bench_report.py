@@ -9,8 +9,7 @@ import math
 import torch
 from PIL import Image, ImageDraw
 
-COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127)]
+from diffrl.plots import COLOURS
 
 
 def _fmt(value, digits=3) -> str:

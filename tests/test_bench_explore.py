@@ -1,16 +1,11 @@
 """The exploration-throughput benchmark runs end to end at tiny size (the real figures
 need a GPU; this keeps the script from rotting)."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_explore.py"
+from tests.helpers import load_script
 
 
 def test_bench_explore_prints_a_ratio_table(capsys):
-    spec = importlib.util.spec_from_file_location("bench_explore", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_explore")
     module.main(["--tiny", "--device", "cpu", "--repeats", "1", "--batch", "2",
                  "--modes", "bf16,nvfp4:reference,fp8:reference"])
     out = capsys.readouterr().out

@@ -2,7 +2,6 @@
 HTML and JSONL; identical checkpoints give identical tiles (same noise, same pixels);
 RLG columns at w = 0 / 1 equal base / the checkpoint exactly; bad inputs are one error."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -17,15 +16,11 @@ from diffrl.config import load_config
 from diffrl.data import PromptFileError
 from diffrl.models import build_adapter
 from diffrl.policy import Policy
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("compare_script", ROOT / "scripts" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare")
 
 
 def _checkpoint(config: str, path: Path, seed: int) -> Path:

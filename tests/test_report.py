@@ -1,7 +1,6 @@
 """Training reports (report.py) overlay runs into a PNG and a summary; evaluations write a
 fixed-noise sample sheet per step."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,15 +9,11 @@ from PIL import Image
 
 from diffrl.config import load_config
 from diffrl.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("report_script", ROOT / "scripts" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("report")
 
 
 def _run(path: Path, solrl: bool, rewards: list[float]):

@@ -115,9 +115,10 @@ class SolRLStage:
             flat = (chosen + n * torch.arange(groups).unsqueeze(1)).flatten()
         with clock.stage("regenerate"), torch.no_grad(), ctx():
             traj, train_cond = self.regenerate(adapter, transformer, cond, pool, flat, keys, iteration)
-        sel_prompts = [prompts[i] for i in flat.tolist()]
+        sel = flat.tolist()
+        sel_prompts = [prompts[i] for i in sel]
         with clock.stage("reward"):
-            total, comps, logs = self.reward_fn(traj.images, sel_prompts, {"keys": [keys[i] for i in flat.tolist()]})
+            total, comps, logs = self.reward_fn(traj.images, sel_prompts, {"keys": [keys[i] for i in sel]})
         low = pool_total.reshape(-1)[flat].reshape(groups, k).cpu()
         agree = rank_agreement(low, total.reshape(groups, k).cpu())
         metrics = {

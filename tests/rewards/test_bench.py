@@ -2,7 +2,6 @@
 shipped ShapeWorld pairs (regenerated identically, and the verifier agrees with every
 label), and the CLI's three outputs."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 
 from diffrl.toy.preferences import write_pairs
 from rewards import bench
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "assets" / "reward_bench" / "shapeworld" / "pairs.jsonl"
@@ -69,9 +69,7 @@ def test_rank_correlations_of_a_reward_with_itself_are_one():
 
 
 def test_cli_writes_json_markdown_and_png(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_rewards", ROOT / "scripts" / "bench_rewards.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_rewards")
     results = module.main(["--out", str(tmp_path), "--batch-sizes", "1", "4", "--repeats", "1", "--device", "cpu"])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rewards"]["shapeworld"]["pairwise"]["accuracy_without_ties"] == 1.0
