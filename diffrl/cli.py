@@ -36,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--help-config", action="store_true", help="list every config key with its help text")
     p.add_argument("--tiny-twin", action="store_true",
                    help="run the config's algorithm on its family's offline tiny twin (a smoke test; see diffrl.twin)")
+    p.add_argument("--full-size", action="store_true",
+                   help="run the config at full size on random weights of its published architecture, with "
+                        "weight-free reward stand-ins (speed and memory; needs the GPU the config names)")
     args = p.parse_args(argv)
     if not args.help_config and not args.config:
         p.error("--config is required")
@@ -56,6 +59,10 @@ def main(argv=None) -> int:
 
             world = int(os.environ.get("WORLD_SIZE", "1"))
             cfg = load_config(args.config, tiny_twin_overrides(cfg, world) + list(args.overrides))
+        elif args.full_size:
+            from diffrl.twin import full_size_overrides
+
+            cfg = load_config(args.config, full_size_overrides(cfg) + list(args.overrides))
         if args.dry_run:
             import os
 

@@ -117,6 +117,18 @@ class TreeConfig:
 
 
 @dataclass
+class PerfConfig:
+    compile_rollout: bool = _f(
+        False, "torch.compile the transformer the rollouts call (policy and reference-backend exploration copy; "
+               "the torchao copy is always compiled). Off by default: see docs/BENCHMARKS.md for where it pays.")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = _f(
+        "default", "torch.compile mode; reduce-overhead adds CUDA graphs (static shapes only, CUDA only).")
+    attention_backend: str | None = _f(
+        None, "diffusers attention backend for the run (flash, _flash_3, _native_flash, _native_cudnn, xformers, "
+              "sage); null keeps diffusers' default, PyTorch SDPA. Kernel-download (*_hub) backends are refused.")
+
+
+@dataclass
 class SolRLConfig:
     enabled: bool = _f(False, "Sol-RL two-stage rollouts: explore a pool in low precision, select a contrastive subset, "
                               "regenerate it in BF16 from the same noise and train only on the regenerated samples.")
@@ -231,6 +243,7 @@ class Config:
     rollout: RolloutConfig = _f(RolloutConfig(), "Rollout batch arithmetic.")
     tree: TreeConfig = _f(TreeConfig(), "Tree sampler (rollout.strategy: tree).")
     solrl: SolRLConfig = _f(SolRLConfig(), "Low-precision exploration pool, selection and BF16 regeneration.")
+    perf: PerfConfig = _f(PerfConfig(), "Speed switches measured by scripts/bench_rollout.py.")
     data: DataConfig = _f(DataConfig(), "Prompt files.")
     rewards: list[RewardSpec] = _f([RewardSpec()], "Rewards combined by weight.")
     advantage: AdvantageConfig = _f(AdvantageConfig(), "Advantage estimator.")
@@ -361,6 +374,14 @@ def load_config(name_or_path: str, overrides: list[str] | tuple = ()) -> Config:
     for assignment in overrides:
         apply_override(raw, assignment)
     return config_from_dict(raw, str(path))
+
+
+def with_overrides(cfg: Config, overrides: list[str] | tuple) -> Config:
+    """A validated copy of ``cfg`` with ``--set``-style assignments applied."""
+    raw = to_dict(cfg)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw, f"{cfg.run_name} with overrides")
 
 
 def validate(cfg: Config) -> None:

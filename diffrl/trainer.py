@@ -25,6 +25,7 @@ from diffrl.data import load_prompts, plan_step
 from diffrl.evaluation import evaluate
 from diffrl.metrics import MetricsLogger, StageClock
 from diffrl.models import build_adapter
+from diffrl.perf.runtime import apply_attention_backend, compiled
 from diffrl.plan import derive, format_plan
 from diffrl.policy import EMA, OldPolicy, Policy
 from diffrl.sampling import TreeTrajectory, get_strategy
@@ -73,6 +74,8 @@ class Trainer:
         self.adapter.to(self.acc.device)
         self.reward_fn.to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed)
+        apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
+        self.rollout_model = compiled(self.adapter.transformer, cfg.perf)
         opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                 weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps)
         self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
@@ -111,14 +114,14 @@ class Trainer:
         cond = self.adapter.encode_prompts(local.prompts)
         if self.solrl is not None:
             out = self.solrl.run(self.adapter, self.adapter.transformer, cond, local.prompts, local.keys, step,
-                                 self.acc.autocast)
+                                 self.acc.autocast, rollout_model=self.rollout_model)
             groups = local.group_ids.reshape(-1, size)[:, :cfg.rollout.group_size].flatten()
             return {"groups": groups, "cond": out.cond, "traj": out.traj, "total": out.total,
                     "comps": out.components, "logs": out.logs, "extra": out.metrics,
                     "nfe": out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]}
         clock = StageClock(self.acc.device)
         with clock.stage("rollout"), torch.no_grad(), self.acc.autocast():
-            traj = self.strategy(self.adapter, self.adapter.transformer, cond, local.keys, cfg, iteration=step)
+            traj = self.strategy(self.adapter, self.rollout_model, cond, local.keys, cfg, iteration=step)
         with clock.stage("reward"):
             total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
         return {"groups": local.group_ids, "cond": cond, "traj": traj, "total": total, "comps": comps,

@@ -4,6 +4,12 @@ only what needs real weights or a GPU is swapped: the model becomes the offline 
 twin at 32x32 in fp32, one prompt per iteration, weight-free rewards in place of model
 rewards. A real-model config can so be proven offline in seconds (the CI does it for
 every shipped one).
+
+``train.py --full-size`` is the opposite swap: everything the config says is kept,
+including resolution, batch sizes and LoRA, and only the weights change, to the published
+architecture with random weights (``random:<arch>``, :mod:`diffrl.models.arch`), with the
+same weight-free reward stand-ins. Its iteration times and peak memories are the config's
+real ones, less the reward models' share.
 """
 
 from __future__ import annotations
@@ -43,4 +49,21 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         "data.train_prompts=assets/prompts/tiny_train.txt", "data.eval_prompts=assets/prompts/tiny_eval.txt",
         "eval.every=0", "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]",
         f"run_name={cfg.run_name}_tiny_twin", f"rewards={json.dumps(_rewards(cfg))}",
+    ]
+
+
+def full_size_overrides(cfg, steps: int = 2) -> list[str]:
+    """``--set`` assignments that run ``cfg`` at full size on random weights for ``steps``
+    iterations, with no evaluation, checkpoints or trackers."""
+    from diffrl.config import ConfigError
+    from diffrl.models.arch import RANDOM_PREFIX, arch_for
+
+    arch = arch_for(cfg.model.pretrained)
+    if arch is None:
+        raise ConfigError(f"no shipped architecture matches model.pretrained '{cfg.model.pretrained}'; "
+                         "pass --set model.pretrained=random:<arch> with one of assets/arch/*.json")
+    return [
+        f"model.pretrained={RANDOM_PREFIX}{arch.name}", f"train.max_steps={steps}", "eval.every=0",
+        "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]", f"run_name={cfg.run_name}_full_size",
+        f"rewards={json.dumps(_rewards(cfg))}",
     ]

@@ -39,6 +39,7 @@ from rewards.clip_common import (
 )
 
 HUB_REPO = "xswu/HPSv2"
+RANDOM = "random"  # checkpoint value: the architecture with random weights (speed and memory only)
 
 
 def load_hps_model(reward: str, checkpoint: str, model_name: str):
@@ -49,6 +50,8 @@ def load_hps_model(reward: str, checkpoint: str, model_name: str):
         raise ValueError(f"{reward}: open_clip has no model config '{model_name}' (HPSv2 uses 'ViT-H-14')")
     with quiet_loading():
         model = open_clip.create_model(model_name, pretrained=None)
+    if checkpoint == RANDOM:
+        return model, open_clip.get_tokenizer(model_name)
     # map_location="cpu": the file may carry CUDA tensors; the reward moves the model itself
     checkpoint_dict = torch.load(checkpoint, map_location="cpu", weights_only=True)
     if not isinstance(checkpoint_dict, dict) or "state_dict" not in checkpoint_dict:
@@ -63,7 +66,8 @@ class HPSv2(ClipReward):
     Args:
         checkpoint: local path to ``HPS_v2_compressed.pt`` (or a directory holding it), a hub
             repo id holding it, or None for the official hub repo ``xswu/HPSv2`` (downloaded
-            once into the huggingface_hub cache).
+            once into the huggingface_hub cache), or ``"random"``: the architecture with random
+            weights, for measuring throughput and memory (the scores mean nothing).
         model_name: open_clip architecture name (``ViT-H-14``; tests pass a tiny config).
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
     """
@@ -82,6 +86,9 @@ class HPSv2(ClipReward):
     def _resolve(self, checkpoint: str | None) -> str:
         """None -> the official hub file; a hub id -> its ``filename``; a directory -> the
         ``filename`` in it; else a local file."""
+        if checkpoint == RANDOM:
+            print(f"{self.name}: random weights (checkpoint='random'): speed and memory only, scores mean nothing")
+            return RANDOM
         if checkpoint is None or looks_like_hub_id(str(checkpoint)):
             return hub_file(self.name, checkpoint or HUB_REPO, self.filename)
         path = os.path.expanduser(str(checkpoint))

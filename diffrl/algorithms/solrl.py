@@ -65,18 +65,28 @@ class SolRLStage:
             log("solrl: exploring with the policy itself (precision bf16, the control)")
         self.stale = True
         self.syncs = 0
+        self._compiled_copy = None
 
     def mark_stale(self) -> None:
         """Called after every optimizer step: the policy moved."""
         self.stale = True
 
-    def explorer(self, transformer):
+    def explorer(self, transformer, rollout_model=None):
+        """The model that explores: the synced copy (compiled once under
+        ``perf.compile_rollout``; syncs write its weights in place), or for the bf16 control
+        ``rollout_model`` (the possibly compiled policy)."""
         if self.copy is None:
-            return transformer
+            return transformer if rollout_model is None else rollout_model
         if self.stale:
             self.copy.sync(transformer)
             self.stale, self.syncs = False, self.syncs + 1
-        return self.copy.model
+        if self.copy.backend == "torchao":  # compiled by its backend already
+            return self.copy.model
+        if self._compiled_copy is None:
+            from diffrl.perf.runtime import compiled
+
+            self._compiled_copy = compiled(self.copy.model, self.cfg.perf)
+        return self._compiled_copy
 
     # -- stages -----------------------------------------------------------------------
     def explore(self, adapter, model, cond, keys, iteration: int):
@@ -96,16 +106,18 @@ class SolRLStage:
                                    iteration=iteration), picked
 
     def run(self, adapter, transformer, cond, prompts: list[str], keys: list[tuple], iteration: int,
-            autocast=None) -> SolRLRollout:
+            autocast=None, rollout_model=None) -> SolRLRollout:
         """One two-stage rollout over this process's whole prompt groups (``keys`` lists
-        ``pool_size`` consecutive candidates per prompt)."""
+        ``pool_size`` consecutive candidates per prompt). ``transformer`` is the policy the
+        copy syncs from; ``rollout_model`` (default: it) runs the regeneration."""
+        rollout_model = transformer if rollout_model is None else rollout_model
         cfg = self.cfg
         n, k = cfg.solrl.pool_size, cfg.rollout.group_size
         groups = len(keys) // n
         ctx = autocast or contextlib.nullcontext  # a factory: each stage enters a fresh context
         clock = StageClock(adapter.device)
         with clock.stage("sync"):  # re-quantize if the policy moved since the last pool
-            model = self.explorer(transformer)
+            model = self.explorer(transformer, rollout_model)
         with clock.stage("explore"), torch.no_grad(), ctx():
             pool = self.explore(adapter, model, cond, keys, iteration)
         with clock.stage("pool_reward"):
@@ -114,7 +126,7 @@ class SolRLStage:
             chosen = select_subset(pool_total.reshape(groups, n), k, cfg.solrl.select, tuple(keys[0][:-1]))
             flat = (chosen + n * torch.arange(groups).unsqueeze(1)).flatten()
         with clock.stage("regenerate"), torch.no_grad(), ctx():
-            traj, train_cond = self.regenerate(adapter, transformer, cond, pool, flat, keys, iteration)
+            traj, train_cond = self.regenerate(adapter, rollout_model, cond, pool, flat, keys, iteration)
         sel = flat.tolist()
         sel_prompts = [prompts[i] for i in sel]
         with clock.stage("reward"):

@@ -36,12 +36,18 @@ def adapter_class(family: str) -> type[FlowAdapter]:
     return getattr(importlib.import_module(module), name)
 
 
-def build_adapter(model_cfg) -> FlowAdapter:
+def build_adapter(model_cfg, device=None) -> FlowAdapter:
     """Build the adapter for ``model_cfg.family``: the tiny offline twin when
-    ``model_cfg.pretrained == "tiny"``, else the real pipeline from a hub id or local path."""
+    ``model_cfg.pretrained == "tiny"``, a published architecture with random weights for
+    ``random:<arch>`` (built on ``device``: the GPU if there is one; ``"meta"`` allocates
+    nothing), else the real pipeline from a hub id or local path."""
     cls = adapter_class(model_cfg.family)
     if model_cfg.pretrained == "tiny":
         return cls.build_tiny(model_cfg)
+    if model_cfg.pretrained.startswith("random:"):
+        from diffrl.models.arch import build_random_adapter
+
+        return build_random_adapter(cls, model_cfg, device)
     return cls.from_pretrained(model_cfg)
 
 

@@ -102,8 +102,9 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
-def finalize_pipeline(pipe, model_cfg, cast: bool = True):
-    """CPU, configured dtype, eval mode, no grads: the trainer moves it and adds LoRA later.
+def finalize_pipeline(pipe, model_cfg, cast: bool = True, device="cpu"):
+    """On ``device`` (CPU unless built elsewhere), configured dtype, eval mode, no grads:
+    the trainer moves it and adds LoRA later.
 
     ``cast=False`` for loaded pipelines: ``torch_dtype`` already applied the dtype and
     kept the modules that must stay fp32 (``_keep_in_fp32_modules``) in fp32.
@@ -111,7 +112,7 @@ def finalize_pipeline(pipe, model_cfg, cast: bool = True):
     dtype = torch_dtype(model_cfg.dtype)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
-            module.to("cpu")
+            module.to(device)
             if cast and module_dtype(module) != dtype:  # skip no-op casts: diffusers warns on each
                 module.to(dtype)
             module.requires_grad_(False)

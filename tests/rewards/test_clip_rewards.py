@@ -356,3 +356,17 @@ def test_aesthetic_head_sources(weights, tmp_path, monkeypatch):
                         lambda repo, name: calls.append((repo, name)) or str(weights / "head.pth"))
     LaionAesthetic(pretrained=str(weights / "clip"), head="hf://trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth")
     assert calls == [("trl-lib/ddpo-aesthetic-predictor", "aesthetic-model.pth")]
+
+
+def test_hps_random_checkpoint_builds_the_architecture_without_a_file(weights, capsys):
+    """checkpoint='random' (throughput benchmarks at full size with no weights): the same
+    architecture as the real checkpoint, finite scores, and a line saying they mean nothing."""
+    from rewards.hps import HPSv21
+
+    reward = HPSv21(checkpoint="random", model_name=TINY_OPENCLIP)
+    assert "random weights" in capsys.readouterr().out
+    real = HPSv2(checkpoint=str(weights / "HPS_v2_compressed.pt"), model_name=TINY_OPENCLIP)
+    assert [(n, p.shape) for n, p in reward.model.named_parameters()] == \
+        [(n, p.shape) for n, p in real.model.named_parameters()]
+    scores = reward(images(), ["a cat"] * 4, {})["hpsv21"]
+    assert scores.shape == (4,) and torch.isfinite(scores).all()

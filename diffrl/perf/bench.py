@@ -1,0 +1,196 @@
+"""The measurements behind ``scripts/bench_rollout.py``, one function per table.
+
+Every comparison is measured side by side in one process: the variants of a row take
+turns within each repeat (so machine drift hits them alike), the first round warms up
+(and compiles) and is dropped, and the median is reported with the ratio to the row's
+baseline. On CUDA each call is synchronised and its peak allocated memory recorded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from diffrl.perf import flops as F
+from diffrl.perf.hardware import device_name, gemm_peak, spec_peak, synchronize
+
+GIB = 2**30
+
+
+def timed(fn, device) -> tuple[float, float]:
+    """(seconds, peak GiB allocated during the call; 0 off CUDA)."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0, (torch.cuda.max_memory_allocated() / GIB if cuda else 0.0)
+
+
+def race(fns: dict, device, repeats: int) -> dict[str, dict]:
+    """Median seconds and peak GiB of each ``fns`` entry, run in turn ``repeats`` + 1 times."""
+    times = {k: [] for k in fns}
+    peaks = dict.fromkeys(fns, 0.0)
+    for r in range(repeats + 1):
+        for name, fn in fns.items():
+            t, peak = timed(fn, device)
+            if r:
+                times[name].append(t)
+                peaks[name] = max(peaks[name], peak)
+    return {k: {"seconds": statistics.median(v), "peak_gib": peaks[k]} for k, v in times.items()}
+
+
+# -- tree vs independent ------------------------------------------------------------------
+def tree_vs_independent(adapter, cfg, schedules, prompts: int, repeats: int) -> list[dict]:
+    """BranchGRPO trees against independent rollouts at equal leaves per prompt: NFE and
+    wall time per leaf, and their ratios (BranchGRPO sec. 3; the target is <= 0.55x)."""
+    from diffrl.sampling import TreeSpec
+
+    rows = []
+    for splits, factors in schedules:
+        spec = TreeSpec.build(cfg.sampling.num_steps, splits, factors, cfg.tree.split_noise_scale)
+        keys = [(0, 0, g, s) for g in range(prompts) for s in range(spec.leaves)]
+        cond = adapter.encode_prompts([F.PROMPTS[k[2] % len(F.PROMPTS)] for k in keys])
+        out = {}
+        fns = _samplers(adapter, cfg, spec, keys, cond, out)
+        with torch.no_grad():
+            res = race(fns, adapter.device, repeats)
+        n = len(keys)
+        nfe_ratio = out["tree"].nfe / out["ind"].nfe
+        time_ratio = res["tree"]["seconds"] / res["independent"]["seconds"]
+        rows.append({"schedule": f"{splits}x{factors}", "leaves": spec.leaves,
+                     "tree_nfe_per_leaf": out["tree"].nfe / n, "independent_nfe_per_leaf": out["ind"].nfe / n,
+                     "nfe_ratio": nfe_ratio, "tree_ms_per_leaf": 1e3 * res["tree"]["seconds"] / n,
+                     "independent_ms_per_leaf": 1e3 * res["independent"]["seconds"] / n, "time_ratio": time_ratio})
+    return rows
+
+
+def _samplers(adapter, cfg, spec, keys, cond, out: dict) -> dict:
+    """Closures rolling out ``keys`` as trees and independently, keeping the last results."""
+    from diffrl.sampling import rollout_independent, rollout_tree
+
+    def tree():
+        out["tree"] = rollout_tree(adapter, adapter.transformer, cond, keys, cfg, spec=spec)
+
+    def independent():
+        out["ind"] = rollout_independent(adapter, adapter.transformer, cond, keys, cfg)
+
+    return {"tree": tree, "independent": independent}
+
+
+# -- exploration precision ----------------------------------------------------------------
+def exploration_precision(adapter, modes: list[str], batch: int, steps: int, repeats: int, log=print) -> list[dict]:
+    """The BF16 policy against low-precision exploration copies (Sol-RL stage 1): one
+    velocity evaluation over ``batch`` pool candidates per call; images/s assumes
+    ``steps`` evaluations per image. ``modes``: ``bf16`` or ``precision:backend``."""
+    from diffrl.quant.backends import build_exploration_copy
+
+    models = {}
+    for mode in modes:
+        precision, _, backend = mode.partition(":")
+        if mode == "bf16":
+            models[mode] = adapter.transformer
+        else:
+            models[mode] = build_exploration_copy(adapter.transformer, adapter.family, precision, backend or "auto",
+                                                  log=log).model
+    fns = {m: F.velocity_fn(adapter, model, batch) for m, model in models.items()}
+    res = race(fns, adapter.device, repeats)
+    base = res[modes[0]]["seconds"]
+    return [{"mode": m, "ms_per_call": 1e3 * r["seconds"], "images_per_s": batch / (r["seconds"] * steps),
+             "speed_vs_first": base / r["seconds"], "peak_gib": r["peak_gib"]} for m, r in res.items()]
+
+
+# -- one training step --------------------------------------------------------------------
+def training_step(adapter, batch: int, repeats: int, dtype: torch.dtype) -> dict:
+    """One LoRA policy forward + backward over ``batch`` rows: seconds, peak memory, the
+    FLOPs executed (counted by FlopCounterMode, printed) and MFU against the device's spec
+    peak, or on an unlisted device against a measured GEMM peak (``mfu_basis`` says which)."""
+    fn = F.train_step_fn(adapter, batch)
+    flops = F.count_flops(fn)
+    res = race({"step": fn}, adapter.device, repeats)["step"]
+    name = device_name(adapter.device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    peak, basis = spec_peak(name, dtype_name), "spec sheet"
+    if peak is None:
+        peak, basis = gemm_peak(adapter.device, dtype), "measured GEMM"
+    achieved = flops / res["seconds"]
+    return {"batch": batch, "seconds": res["seconds"], "peak_gib": res["peak_gib"], "tflop_per_step": flops / 1e12,
+            "achieved_tflops": achieved / 1e12, "peak_tflops": peak / 1e12, "mfu": achieved / peak, "mfu_basis": basis}
+
+
+# -- optimisations ------------------------------------------------------------------------
+def rollout_optimisations(adapter, batch: int, repeats: int, variants: list[str]) -> list[dict]:
+    """The rollout transformer's forward with and without each optimisation, side by side:
+    ``eager``; ``compile`` (torch.compile, default mode); ``cudagraphs`` (compile with
+    mode reduce-overhead, CUDA only); ``attn:<backend>`` (diffusers attention backend,
+    e.g. ``attn:flash`` or ``attn:_native_math``)."""
+    fns = {}
+    for v in variants:
+        model = _variant_model(adapter.transformer, v)
+        if model is None:
+            continue
+        fns[v] = _with_backend(F.velocity_fn(adapter, model, batch), adapter.transformer, v)
+    res = race(fns, adapter.device, repeats)
+    base = res[variants[0]]["seconds"]
+    return [{"variant": v, "ms_per_call": 1e3 * r["seconds"], "speed_vs_first": base / r["seconds"],
+             "peak_gib": r["peak_gib"]} for v, r in res.items()]
+
+
+def _variant_model(transformer, variant: str):
+    if variant == "compile":
+        return torch.compile(transformer)
+    if variant == "cudagraphs":
+        return torch.compile(transformer, mode="reduce-overhead") if transformer.device.type == "cuda" else None
+    return transformer
+
+
+def _with_backend(fn, transformer, variant: str):
+    """``fn`` run with the diffusers attention backend named by ``attn:<backend>``."""
+    if not variant.startswith("attn:"):
+        return fn
+    from diffusers.models.attention_dispatch import attention_backend
+
+    backend = variant.split(":", 1)[1]
+    if "hub" in backend:  # hub backends fetch kernels at run time; this toolkit never downloads
+        raise ValueError(f"attention backend '{backend}' downloads kernels; use a local one (flash, "
+                         "_flash_3, native, _native_flash, _native_efficient, _native_cudnn, xformers, sage)")
+
+    def run():
+        with attention_backend(backend):
+            return fn()
+
+    return run
+
+
+# -- whole iterations -----------------------------------------------------------------------
+STAGES = {  # reported stage -> the trainer's StageClock names that make it up
+    "sync": ("sync",), "explore": ("explore",), "select": ("select",), "regenerate": ("regenerate",),
+    "rollout": ("rollout",), "score": ("pool_reward", "reward"), "train": ("update",),
+}
+
+
+def iteration_breakdown(cfg, warmup: int = 1) -> dict:
+    """Run ``cfg`` for ``cfg.train.max_steps`` iterations with the real Trainer and report the
+    median seconds of each stage over the iterations after ``warmup``, their share of the
+    iteration, and the largest stage peak memory (CUDA). Sol-RL runs report sync, explore,
+    select, regenerate, score and train; plain runs rollout, score and train."""
+    from diffrl.trainer import Trainer
+
+    history = Trainer(cfg).fit()
+    rows = history[warmup:] or history
+
+    def median(key: str) -> float:
+        return statistics.median(float(r.get(key, 0.0)) for r in rows)
+
+    stages = {}
+    for stage, parts in STAGES.items():
+        if any(f"time/{p}" in rows[0] for p in parts):
+            stages[stage] = sum(median(f"time/{p}") for p in parts)
+    total = sum(stages.values())
+    peaks = [float(v) for r in rows for k, v in r.items() if k.startswith("memory/")]
+    return {"seconds": stages, "share": {k: v / total for k, v in stages.items()}, "total_seconds": total,
+            "peak_gib": max(peaks, default=0.0), "iterations_timed": len(rows)}

@@ -1,0 +1,97 @@
+"""Size a config at full size without its weights or a GPU: FLOPs and memory per process.
+
+The config's published architecture (``assets/arch``) is built on the meta device with
+the config's LoRA, and torch counts what one iteration executes:
+
+* forward FLOPs per sample and denoising step (classifier-free guidance included), so
+  a rollout's FLOPs are this times the plan's NFE;
+* training FLOPs per sample (policy forward + backward, with gradient checkpointing's
+  recompute when the config enables it);
+* activations saved for backward per micro-batch (:mod:`diffrl.perf.memory`); with
+  gradient checkpointing, one block's full activations are added for its recompute.
+
+Memory adds the frozen weights (transformer, VAE, the published text encoders, the
+reward models), LoRA weights with gradients and AdamW moments, the exploration copy
+(FP8 through torchao stores 1 byte per weight; NVFP4 off Blackwell is simulated over a
+BF16 copy, 2 bytes) and the trajectory buffer. VAE-decode and attention transients are
+not modelled: a measured peak (``train.py --full-size`` on a GPU) supersedes this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffrl.config import with_overrides
+from diffrl.models.arch import RANDOM_PREFIX, arch_for
+from diffrl.perf.flops import count_flops, train_step_fn, velocity_fn
+from diffrl.perf.memory import GIB, param_bytes, saved_activation_bytes
+
+# open_clip architecture behind each model reward (HPSv2/PickScore: ViT-H-14; CLIPScore and
+# the LAION aesthetic head: ViT-L-14); ImageReward is BLIP ViT-L + a BERT-base text tower.
+REWARD_ARCH = {"hpsv2": "ViT-H-14", "hpsv21": "ViT-H-14", "pickscore": "ViT-H-14", "clipscore": "ViT-L-14",
+               "aesthetic": "ViT-L-14", "temporal_consistency": "ViT-L-14"}
+IMAGEREWARD_PARAMS = 447e6
+EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0}  # per transformer weight, on Hopper
+
+
+def reward_params(spec) -> float:
+    """Parameters of one configured reward (a video wrapper counts its inner reward)."""
+    name, args = spec.name, dict(spec.args)
+    if name == "video_frames":
+        name = args.get("reward", "jpeg_compressibility")
+    if name == "imagereward":
+        return IMAGEREWARD_PARAMS
+    if name not in REWARD_ARCH:
+        return 0.0  # weight-free (jpeg, shapeworld)
+    import open_clip
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = open_clip.create_model(REWARD_ARCH[name], pretrained=None, device="meta")
+    return float(sum(p.numel() for p in model.parameters()))
+
+
+def _block_count(transformer: torch.nn.Module) -> int:
+    return sum(len(m) for n, m in transformer.named_children() if isinstance(m, torch.nn.ModuleList) and "block" in n)
+
+
+def estimate_config(cfg, num_processes: int = 8) -> dict:
+    """FLOPs and a per-process memory estimate (GiB) for ``cfg`` at full size."""
+    from diffrl.models import build_adapter
+    from diffrl.plan import derive
+    from diffrl.policy import Policy
+
+    arch = arch_for(cfg.model.pretrained)
+    if arch is None:
+        raise ValueError(f"no shipped architecture matches '{cfg.model.pretrained}' (assets/arch/*.json)")
+    meta_cfg = with_overrides(cfg, [f"model.pretrained={RANDOM_PREFIX}{arch.name}"])
+    adapter = build_adapter(meta_cfg.model, device="meta")
+    policy = Policy(adapter, meta_cfg.model, seed=cfg.seed)
+    transformer = adapter.transformer
+    mb = cfg.train.micro_batch_size
+    forward = count_flops(velocity_fn(adapter, transformer, 1))
+    train = count_flops(train_step_fn(adapter, 1))
+    activations = saved_activation_bytes(train_step_fn(adapter, mb))
+    if cfg.model.gradient_checkpointing:  # the block being recomputed holds its full activations
+        transformer.disable_gradient_checkpointing()
+        activations += saved_activation_bytes(train_step_fn(adapter, mb)) // max(_block_count(transformer), 1)
+    plan = derive(cfg, num_processes)
+    bf16 = 2
+    frozen = param_bytes(transformer, trainable=False) + param_bytes(adapter.pipe.vae)
+    text = arch.text_encoder_params * bf16
+    rewards = sum(reward_params(r) for r in cfg.rewards) * 4  # rewards run in fp32 unless configured
+    trainable = sum(p.numel() for p in policy.trainable_parameters())
+    exploration = 0.0
+    if cfg.solrl.enabled:
+        exploration = sum(p.numel() for p in transformer.parameters()) * EXPLORATION_BYTES[cfg.solrl.precision]
+    parts = {
+        "transformer + VAE": frozen, "text encoders": text, "rewards": rewards,
+        "LoRA + grads + AdamW": 16 * trainable, "activations": activations, "exploration copy": exploration,
+        "trajectory buffer": plan["trajectory_buffer_mib_per_process"] * 2**20,
+    }
+    gib = {k: v / GIB for k, v in parts.items()}
+    nfe = plan["rollout_nfe_per_iteration"] / num_processes
+    return {"arch": arch.name, "params": sum(p.numel() for p in transformer.parameters()) - trainable,
+            "trainable_params": trainable, "forward_tflop_per_sample_step": forward / 1e12,
+            "train_tflop_per_sample": train / 1e12, "rollout_tflop_per_iteration_per_process": nfe * forward / 1e12,
+            "memory_gib": gib, "total_gib": sum(gib.values()), "num_processes": num_processes}

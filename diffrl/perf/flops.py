@@ -1,0 +1,62 @@
+"""FLOP counts of the transformer work an RL iteration does, from torch's FlopCounterMode.
+
+The counter sees the matmuls, convolutions and attention kernels actually dispatched
+(on any device, meta included), so the count follows the real code path: classifier-free
+guidance doubling, the packed/patchified token counts, and for a LoRA step the backward
+pass that computes input gradients through the frozen weights but no weight gradients
+for them (about 2x the forward, not the 3x of full training).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+PROMPTS = ("a photo of a cat sitting on a table", "two dogs running on the beach")
+
+
+def count_flops(fn) -> int:
+    """Floating-point operations (multiply-add = 2) performed by ``fn()``."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def velocity_inputs(adapter, batch: int, sigma: float = 0.5):
+    """Latents, sigmas and conditioning for ``batch`` samples on the adapter's device."""
+    device = adapter.device
+    cond = adapter.encode_prompts([PROMPTS[i % len(PROMPTS)] for i in range(batch)]).to(device)
+    dtype = torch.float32  # the SDE state is fp32; adapters cast to the transformer's dtype
+    latents = torch.randn((batch, *adapter.latent_shape()), dtype=dtype, device="cpu").to(device)
+    return latents, torch.full((batch,), sigma, device=device), cond
+
+
+def velocity_fn(adapter, transformer, batch: int, guidance: bool = True):
+    """A closure running one velocity evaluation (with CFG where the family uses it)."""
+    latents, sigma, cond = velocity_inputs(adapter, batch)
+
+    def run():
+        with torch.no_grad():
+            return adapter.velocity(transformer, latents, sigma, cond, guidance=guidance)
+
+    return run
+
+
+def train_step_fn(adapter, batch: int):
+    """A closure running one training forward + backward of the (LoRA) policy velocity.
+
+    The loss is a stand-in with the flow-GRPO step's shape of work (a policy velocity
+    through the transformer and a scalar reduced from it); the reference and old-policy
+    forwards that some objectives add are counted separately.
+    """
+    latents, sigma, cond = velocity_inputs(adapter, batch)
+    transformer = adapter.transformer
+
+    def run():
+        with torch.enable_grad():
+            v = adapter.velocity(transformer, latents, sigma, cond, guidance=False)
+            v.float().square().mean().backward()
+        for p in transformer.parameters():
+            p.grad = None
+
+    return run

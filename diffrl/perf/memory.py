@@ -1,0 +1,53 @@
+"""Memory estimates for a config at full size, computed on the meta device.
+
+``saved_activation_bytes`` counts the tensors autograd keeps for the backward pass of a
+training forward (the dominant, batch-proportional part of training memory), through
+``torch.autograd.graph.saved_tensors_hooks``; parameters are excluded and views of one
+tensor are counted once. The rest of a step's footprint is arithmetic on parameter
+counts (:func:`training_footprint`). These are estimates: allocator fragmentation and the
+largest transient buffers are not modelled, which is why ``docs/BENCHMARKS.md`` keeps
+them apart from measured peaks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GIB = 2**30
+
+
+def saved_activation_bytes(fn) -> int:
+    """Bytes of non-parameter tensors saved for backward while ``fn()`` runs its forward."""
+    kept: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor):
+        base = t if t._base is None else t._base
+        if not isinstance(base, torch.nn.Parameter):
+            kept[id(base)] = base  # holding it keeps ids unique for the whole forward
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(t.untyped_storage().nbytes() for t in kept.values())
+
+
+def param_bytes(module: torch.nn.Module, trainable: bool | None = None) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()
+               if trainable is None or p.requires_grad == trainable)
+
+
+def training_footprint(frozen_bytes: int, trainable_params: int, activation_bytes: int,
+                       exploration_bytes: int = 0, extra_bytes: int = 0) -> dict[str, float]:
+    """GiB per part of one training process: frozen weights, fp32 trainable weights with
+    their gradients and AdamW's two moments (16 bytes per parameter), saved activations of
+    one micro-batch, the low-precision exploration copy and anything else resident."""
+    parts = {
+        "frozen weights": frozen_bytes,
+        "trainable + grads + AdamW": 16 * trainable_params,
+        "activations (one micro-batch)": activation_bytes,
+        "exploration copy": exploration_bytes,
+        "other models": extra_bytes,
+    }
+    out = {k: v / GIB for k, v in parts.items()}
+    out["total"] = sum(parts.values()) / GIB
+    return out

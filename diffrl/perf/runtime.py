@@ -1,0 +1,68 @@
+"""The speed switches of ``cfg.perf`` applied to a run's models.
+
+Each switch is measured by ``scripts/bench_rollout.py --sections optimisations`` (one
+forward) and ``--vs perf.KEY=VALUE`` (whole iterations); docs/BENCHMARKS.md records
+where each pays, and the defaults keep off what has not been shown to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffrl.config import ConfigError
+
+
+class CompiledOrEager:
+    """Calls ``torch.compile(module)``; if compiling fails (no C++ compiler for inductor on
+    a CPU, an op dynamo cannot trace), says so once and runs ``module`` eagerly from then
+    on. A genuine error in the model then surfaces from the eager call, unchanged.
+
+    Attribute access reaches ``module`` (``config``, ``dtype``), and ``.module`` lets
+    :func:`diffrl.models.base.unwrap` find it. The compiled graph reads the module's
+    parameters at each call, so optimizer steps and exploration-copy syncs stay visible.
+    """
+
+    def __init__(self, module: torch.nn.Module, mode: str | None, log=print):
+        self.module = module
+        self._compiled = torch.compile(module, mode=mode)
+        self._log = log
+
+    def __call__(self, *args, **kwargs):
+        if self._compiled is not None:
+            try:
+                return self._compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 (any compile failure: fall back, the eager call re-raises real errors)
+                self._compiled = None
+                self._log(f"perf.compile_rollout: torch.compile failed ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:200]}); running {type(self.module).__name__} eagerly")
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def compiled(module: torch.nn.Module, perf, log=print):
+    """``module`` wrapped in :class:`CompiledOrEager` when ``perf.compile_rollout``."""
+    if not perf.compile_rollout:
+        return module
+    if perf.compile_mode == "reduce-overhead" and next(module.parameters()).device.type != "cuda":
+        raise ConfigError("perf.compile_mode: reduce-overhead captures CUDA graphs and needs a CUDA device; "
+                          "use the default mode on this machine")
+    return CompiledOrEager(module, None if perf.compile_mode == "default" else perf.compile_mode, log)
+
+
+def apply_attention_backend(transformer: torch.nn.Module, name: str | None) -> None:
+    """Switch a diffusers transformer's attention to backend ``name`` (None: leave as is)."""
+    if name is None:
+        return
+    if "hub" in name:
+        raise ConfigError(f"perf.attention_backend '{name}' downloads kernels at run time; this toolkit never "
+                          "downloads: use flash, _flash_3, _native_flash, _native_cudnn, xformers or sage")
+    setter = getattr(transformer, "set_attention_backend", None)
+    if setter is None:
+        raise ConfigError(f"perf.attention_backend: {type(transformer).__name__} is not a diffusers model with "
+                          "switchable attention; set perf.attention_backend: null")
+    try:
+        setter(name)
+    except (ValueError, RuntimeError, ImportError) as err:
+        raise ConfigError(f"perf.attention_backend '{name}': {err}") from None

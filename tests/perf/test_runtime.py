@@ -1,0 +1,59 @@
+"""The perf switches: compiled rollouts fall back to eager when compiling fails, and bad
+settings are one clear config error."""
+
+import pytest
+import torch
+
+from diffrl.config import ConfigError, load_config
+from diffrl.models import build_adapter
+from diffrl.models.base import unwrap
+from diffrl.perf.flops import velocity_inputs
+from diffrl.perf.runtime import CompiledOrEager, apply_attention_backend, compiled
+
+
+def _perf(**kw):
+    return load_config("tiny_flux_flowgrpo", [f"perf.{k}={v}" for k, v in kw.items()]).perf
+
+
+def test_compile_off_returns_the_module_itself():
+    module = torch.nn.Linear(2, 2)
+    assert compiled(module, _perf(compile_rollout="false")) is module
+
+
+def test_a_failed_compile_says_so_once_and_runs_eagerly():
+    module = torch.nn.Linear(3, 2)
+    lines = []
+    wrapped = CompiledOrEager(module, None, log=lines.append)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor: no working C++ compiler found\nmore detail")
+
+    wrapped._compiled = broken
+    x = torch.randn(4, 3)
+    assert torch.equal(wrapped(x), module(x)) and torch.equal(wrapped(x), module(x))
+    assert len(lines) == 1 and "no working C++ compiler found" in lines[0] and "eagerly" in lines[0]
+    assert wrapped.weight is module.weight and unwrap(wrapped) is module  # attributes reach the module
+
+
+def test_cuda_graphs_need_cuda():
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        compiled(torch.nn.Linear(2, 2), _perf(compile_rollout="true", compile_mode="reduce-overhead"))
+
+
+def test_attention_backend_switch_and_its_errors(tiny_cfg):
+    adapter = build_adapter(tiny_cfg("flux").model)
+    x, sigma, cond = velocity_inputs(adapter, 2)
+    with torch.no_grad():
+        default = adapter.velocity(adapter.transformer, x, sigma, cond)
+        apply_attention_backend(adapter.transformer, "_native_math")
+        math = adapter.velocity(adapter.transformer, x, sigma, cond)
+    assert torch.allclose(default, math, atol=1e-5)
+    with pytest.raises(ConfigError, match="downloads kernels"):
+        apply_attention_backend(adapter.transformer, "flash_hub")
+    with pytest.raises(ConfigError, match="set perf.attention_backend: null"):
+        apply_attention_backend(torch.nn.Linear(2, 2), "flash")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:  # the usual CPU machine: diffusers' reason, as one config error
+        with pytest.raises(ConfigError, match="perf.attention_backend 'flash': .*flash-attn"):
+            apply_attention_backend(adapter.transformer, "flash")
