@@ -34,9 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the derived run plan and exit")
     p.add_argument("--resume", metavar="latest|PATH", help="continue from the newest checkpoint or a path")
     p.add_argument("--help-config", action="store_true", help="list every config key with its help text")
-    p.add_argument("--tiny-twin", action="store_true",
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--tiny-twin", action="store_true",
                    help="run the config's algorithm on its family's offline tiny twin (a smoke test; see diffrl.twin)")
-    p.add_argument("--full-size", action="store_true",
+    size.add_argument("--full-size", action="store_true",
                    help="run the config at full size on random weights of its published architecture, with "
                         "weight-free reward stand-ins (speed and memory; needs the GPU the config names)")
     args = p.parse_args(argv)

@@ -8,8 +8,11 @@ every shipped one).
 ``train.py --full-size`` is the opposite swap: everything the config says is kept,
 including resolution, batch sizes and LoRA, and only the weights change, to the published
 architecture with random weights (``random:<arch>``, :mod:`diffrl.models.arch`), with the
-same weight-free reward stand-ins. Its iteration times and peak memories are the config's
-real ones, less the reward models' share.
+same weight-free reward stand-ins. Its transformer and VAE times and memory are the
+config's real ones; the text encoders are the twin's (widened to the published output
+width) and the reward models are stand-ins, so the real encoders' and rewards' memory
+(T5-XXL alone is about 9.5 GB in bf16) and scoring time come on top: the meta-device
+estimate (``bench_rollout.py --sections estimate``) adds them.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def run_sections(args, cfg, written, device) -> dict:
     out: dict = {}
     wanted = args.sections.split(",")
     if any(s in wanted for s in ("tree", "precision", "train", "optimisations")):
-        adapter, _ = build_policy(cfg, device)
+        adapter, policy = build_policy(cfg, device)
         if "tree" in wanted:
             schedules = parse_schedules(args.schedules) if args.schedules else default_schedules(cfg)
             out["tree"] = bench.tree_vs_independent(adapter, cfg, schedules, args.prompts,
@@ -122,10 +122,9 @@ def run_sections(args, cfg, written, device) -> dict:
                                                                args.variants.split(","))
         if "train" in wanted:
             out["train"] = bench.training_step(adapter, cfg.train.micro_batch_size, args.repeats,
-                                               torch_dtype(cfg.model.dtype))
-        del adapter
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+                                               torch_dtype(cfg.model.dtype), cfg.objective.train_cfg)
+        del adapter, policy  # the iteration section builds its own trainers
+        bench.release_memory()
     if "estimate" in wanted and arch_for(written.model.pretrained) is not None:
         from diffrl.perf.estimate import estimate_config
 
@@ -170,11 +169,13 @@ def ratio_rows(results: dict) -> list[dict]:
     for r in results.get("tree", []):
         add("tree_nfe_ratio", f"tree/independent NFE per leaf, {r['schedule']}", f"{r['nfe_ratio']:.2f}x "
             f"(time {r['time_ratio']:.2f}x)")
-    for r in results.get("precision", [])[1:]:
-        add("fp8_speed", f"{r['mode']} exploration vs {results['precision'][0]['mode']}", f"{r['speed_vs_first']:.2f}x")
+    for r in results.get("precision", []):
+        if r["mode"] not in ("policy", "bf16"):
+            add("fp8_speed", f"{r['mode']} exploration vs merged bf16 copy", f"{r['speed_vs_bf16']:.2f}x")
     if "train" in results:
         t = results["train"]
-        add("train_mfu", f"LoRA training-step MFU ({t['mfu_basis']} peak)", f"{100 * t['mfu']:.1f}%")
+        add("train_mfu", f"training-step MFU ({t['peak_basis']} peak; HFU {100 * t['hfu']:.1f}%)",
+            f"{100 * t['mfu']:.1f}%")
     it = results.get("iteration", {})
     if "flow-GRPO (solrl off)" in it:
         a, b = it["config"]["total_seconds"], it["flow-GRPO (solrl off)"]["total_seconds"]
@@ -194,7 +195,8 @@ def report(results: dict) -> str:
             parts += [f"### {name}", markdown(results[name])]
     if "train" in results:
         t = results["train"]
-        parts += ["### train", f"FLOPs per step (FlopCounterMode): {t['tflop_per_step']:.4g} TFLOP", markdown([t])]
+        parts += ["### train", f"FLOPs per step (FlopCounterMode): model {t['model_tflop']:.4g} TFLOP, executed "
+                  f"{t['executed_tflop']:.4g} TFLOP (with checkpointing's recompute)", markdown([t])]
     if "estimate" in results:
         e = results["estimate"]
         parts += [f"### estimate: {e['arch']} at full size, per process of {e['num_processes']} (meta device)",
@@ -223,9 +225,11 @@ def main(argv=None) -> int:
     p.add_argument("--schedules", default=None,
                    help="tree section: ';'-separated 'split steps:branch factors' (default: the config's tree "
                         "and splits at 0,1,2,3 into 2)")
-    p.add_argument("--modes", default="bf16,fp8:auto,nvfp4:auto", help="precision section: bf16 or precision:backend")
+    p.add_argument("--modes", default="policy,bf16,fp8:auto,nvfp4:auto",
+                   help="precision section: policy (LoRA unmerged), bf16 (merged copy) or precision:backend")
     p.add_argument("--variants", default="eager,compile,cudagraphs", help="optimisations section")
-    p.add_argument("--batch", type=int, default=2, help="rows per call in the precision/optimisations sections")
+    p.add_argument("--batch", type=int, default=None,
+                   help="samples per call in the precision/optimisations sections (default: rollout.batch_size)")
     p.add_argument("--iterations", type=int, default=3, help="trainer iterations (the first is dropped)")
     p.add_argument("--vs", action="append", default=[], metavar="KEY=VALUE",
                    help="iteration section: also run the config with this assignment (repeatable)")
@@ -233,6 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
     cfg, written = resolve_config(args)
+    args.batch = args.batch or cfg.rollout.batch_size
     device = torch.device(args.device)
     head = (f"# {args.config}: {cfg.model.family} {cfg.model.pretrained} at {cfg.model.height}x{cfg.model.width}, "
             f"{cfg.model.dtype}, {cfg.sampling.num_steps} steps; {device_name(device)}; torch {torch.__version__}")

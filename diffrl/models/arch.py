@@ -7,9 +7,11 @@ and memory can be measured at real size with nothing downloaded. Speed does not 
 on the weights' values.
 
 The text encoders are the tiny twin's, widened only where their output enters the
-transformer (CLIP/T5/Gemma hidden width): prompts are encoded once per distinct prompt
-and cached (``FlowAdapter.encode_prompts``), so the real encoders' size affects load
-memory, not the per-iteration cost. ``published_params`` in the JSON lets tests check
+transformer (CLIP/T5/Gemma hidden width). Prompts are encoded once per distinct prompt
+and cached (``FlowAdapter.encode_prompts``), so the real encoders cost little time once
+the prompt set has been seen, but they stay resident: their memory
+(``text_encoders_published_params``) is missing from a random-weight run and added by
+:mod:`diffrl.perf.estimate`. ``published_params`` in the JSON lets tests check
 that the built transformer matches the model card.
 
 Modules are built on the meta device and materialised straight onto the target device
@@ -108,16 +110,22 @@ def _widened(encoder: torch.nn.Module, overrides: dict) -> torch.nn.Module:
 def materialize(module: torch.nn.Module, device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """Allocate a module's meta parameters on ``device`` and give them a random init.
 
-    Buffers keep their computed values and move to ``device``. Modules with
+    Parameters take ``dtype``, except in the modules a class lists in
+    ``_keep_in_fp32_modules`` (Wan's time embedder and norms, T5's ``wo``), which stay fp32
+    as ``from_pretrained(torch_dtype=...)`` keeps them. Buffers keep their computed values
+    and move to ``device``. Modules with
     ``reset_parameters`` (linear, conv, norm, embedding) use torch's default init on the
     device; the remaining parameters (custom norms' scales, learned embeddings) get ones for 1-d ``weight``/``scale``, zeros for biases and N(0, 0.02) otherwise, so
     activations stay finite through a full-depth forward.
     """
     device = torch.device(device)
-    for sub in module.modules():
+    keep_fp32 = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())  # as from_pretrained does
+    for sub_name, sub in module.named_modules():
         for name, p in list(sub._parameters.items()):
-            if p is not None and (p.device != device or p.dtype != dtype):
-                sub._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device, dtype=dtype),
+            parts = f"{sub_name}.{name}".split(".")  # diffusers matches any part of the parameter name
+            want = torch.float32 if any(k in parts for k in keep_fp32) else dtype
+            if p is not None and (p.device != device or p.dtype != want):
+                sub._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device, dtype=want),
                                                            requires_grad=p.requires_grad)
         for name, b in list(sub._buffers.items()):  # computed values, kept in their dtype
             if b is not None:

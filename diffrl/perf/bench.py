@@ -19,6 +19,14 @@ from diffrl.perf.hardware import device_name, gemm_peak, spec_peak, synchronize
 GIB = 2**30
 
 
+def release_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def timed(fn, device) -> tuple[float, float]:
     """(seconds, peak GiB allocated during the call; 0 off CUDA)."""
     cuda = torch.device(device).type == "cuda"
@@ -84,49 +92,68 @@ def _samplers(adapter, cfg, spec, keys, cond, out: dict) -> dict:
 
 # -- exploration precision ----------------------------------------------------------------
 def exploration_precision(adapter, modes: list[str], batch: int, steps: int, repeats: int, log=print) -> list[dict]:
-    """The BF16 policy against low-precision exploration copies (Sol-RL stage 1): one
-    velocity evaluation over ``batch`` pool candidates per call; images/s assumes
-    ``steps`` evaluations per image. ``modes``: ``bf16`` or ``precision:backend``."""
+    """The policy against exploration copies (Sol-RL stage 1), one velocity evaluation over
+    ``batch`` pool candidates per call; images/s assumes ``steps`` evaluations per image.
+
+    ``modes``: ``policy`` (the trainable model itself, LoRA unmerged, in its own dtype),
+    ``bf16`` (an exploration copy with LoRA merged and nothing quantized: the like-for-like
+    baseline, and the ``speed_vs_bf16`` denominator when present) or ``precision:backend``
+    (``fp8:torchao``, ``nvfp4:auto``...). ``policy_dtype`` says what the policy runs in
+    (fp32 on the CPU twins).
+    """
     from diffrl.quant.backends import build_exploration_copy
 
     models = {}
     for mode in modes:
-        precision, _, backend = mode.partition(":")
-        if mode == "bf16":
+        if mode == "policy":
             models[mode] = adapter.transformer
-        else:
-            models[mode] = build_exploration_copy(adapter.transformer, adapter.family, precision, backend or "auto",
-                                                  log=log).model
+            continue
+        precision, _, backend = mode.partition(":")
+        models[mode] = build_exploration_copy(adapter.transformer, adapter.family, precision, backend or "auto",
+                                              log=log).model
     fns = {m: F.velocity_fn(adapter, model, batch) for m, model in models.items()}
     res = race(fns, adapter.device, repeats)
-    base = res[modes[0]]["seconds"]
-    return [{"mode": m, "ms_per_call": 1e3 * r["seconds"], "images_per_s": batch / (r["seconds"] * steps),
-             "speed_vs_first": base / r["seconds"], "peak_gib": r["peak_gib"]} for m, r in res.items()]
+    base = res["bf16" if "bf16" in res else modes[0]]["seconds"]
+    dtype = str(next(adapter.transformer.parameters()).dtype).removeprefix("torch.")
+    return [{"mode": m, "policy_dtype": dtype, "ms_per_call": 1e3 * r["seconds"],
+             "images_per_s": batch / (r["seconds"] * steps), "speed_vs_bf16": base / r["seconds"],
+             "peak_gib": r["peak_gib"]} for m, r in res.items()]
 
 
 # -- one training step --------------------------------------------------------------------
-def training_step(adapter, batch: int, repeats: int, dtype: torch.dtype) -> dict:
-    """One LoRA policy forward + backward over ``batch`` rows: seconds, peak memory, the
-    FLOPs executed (counted by FlopCounterMode, printed) and MFU against the device's spec
-    peak, or on an unlisted device against a measured GEMM peak (``mfu_basis`` says which)."""
-    fn = F.train_step_fn(adapter, batch)
-    flops = F.count_flops(fn)
+def training_step(adapter, batch: int, repeats: int, dtype: torch.dtype, guidance: bool = True) -> dict:
+    """One policy forward + backward over ``batch`` samples (CFG rows when ``guidance``):
+    seconds, peak memory, FLOPs (counted by FlopCounterMode and printed), and utilisation.
+
+    ``mfu`` counts the model's FLOPs (no recompute); ``hfu`` counts what ran, including
+    gradient checkpointing's recompute. The denominator is the device's spec-sheet dense
+    peak, or on an unlisted device a measured GEMM peak (``peak_basis`` says which).
+    """
+    fn = F.train_step_fn(adapter, batch, guidance)
+    executed = F.count_flops(fn)
+    transformer = adapter.transformer
+    checkpointing = getattr(transformer, "is_gradient_checkpointing", False)
+    if checkpointing:
+        transformer.disable_gradient_checkpointing()
+    model_flops = F.count_flops(fn)
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()
     res = race({"step": fn}, adapter.device, repeats)["step"]
     name = device_name(adapter.device)
-    dtype_name = str(dtype).removeprefix("torch.")
-    peak, basis = spec_peak(name, dtype_name), "spec sheet"
+    peak, basis = spec_peak(name, str(dtype).removeprefix("torch.")), "spec sheet"
     if peak is None:
         peak, basis = gemm_peak(adapter.device, dtype), "measured GEMM"
-    achieved = flops / res["seconds"]
-    return {"batch": batch, "seconds": res["seconds"], "peak_gib": res["peak_gib"], "tflop_per_step": flops / 1e12,
-            "achieved_tflops": achieved / 1e12, "peak_tflops": peak / 1e12, "mfu": achieved / peak, "mfu_basis": basis}
+    return {"batch": batch, "seconds": res["seconds"], "peak_gib": res["peak_gib"],
+            "model_tflop": model_flops / 1e12, "executed_tflop": executed / 1e12,
+            "achieved_tflops": executed / res["seconds"] / 1e12, "peak_tflops": peak / 1e12,
+            "mfu": model_flops / res["seconds"] / peak, "hfu": executed / res["seconds"] / peak, "peak_basis": basis}
 
 
 # -- optimisations ------------------------------------------------------------------------
 def rollout_optimisations(adapter, batch: int, repeats: int, variants: list[str]) -> list[dict]:
     """The rollout transformer's forward with and without each optimisation, side by side:
     ``eager``; ``compile`` (torch.compile, default mode); ``cudagraphs`` (compile with
-    mode reduce-overhead, CUDA only); ``attn:<backend>`` (diffusers attention backend,
+    mode reduce-overhead, CUDA only; skipped elsewhere); ``attn:<backend>`` (diffusers attention backend,
     e.g. ``attn:flash`` or ``attn:_native_math``)."""
     fns = {}
     for v in variants:
@@ -135,7 +162,7 @@ def rollout_optimisations(adapter, batch: int, repeats: int, variants: list[str]
             continue
         fns[v] = _with_backend(F.velocity_fn(adapter, model, batch), adapter.transformer, v)
     res = race(fns, adapter.device, repeats)
-    base = res[variants[0]]["seconds"]
+    base = next(iter(res.values()))["seconds"]  # the first variant that runs here
     return [{"variant": v, "ms_per_call": 1e3 * r["seconds"], "speed_vs_first": base / r["seconds"],
              "peak_gib": r["peak_gib"]} for v, r in res.items()]
 
@@ -180,7 +207,10 @@ def iteration_breakdown(cfg, warmup: int = 1) -> dict:
     select, regenerate, score and train; plain runs rollout, score and train."""
     from diffrl.trainer import Trainer
 
-    history = Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    history = trainer.fit()
+    del trainer  # the next run builds its own models: free this one's first
+    release_memory()
     rows = history[warmup:] or history
 
     def median(key: str) -> float:

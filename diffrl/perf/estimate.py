@@ -5,13 +5,15 @@ the config's LoRA, and torch counts what one iteration executes:
 
 * forward FLOPs per sample and denoising step (classifier-free guidance included), so
   a rollout's FLOPs are this times the plan's NFE;
-* training FLOPs per sample (policy forward + backward, with gradient checkpointing's
-  recompute when the config enables it);
+* training FLOPs per sample (policy forward + backward, with CFG when
+  ``objective.train_cfg``, and gradient checkpointing's recompute when enabled);
 * activations saved for backward per micro-batch (:mod:`diffrl.perf.memory`); with
   gradient checkpointing, one block's full activations are added for its recompute.
 
 Memory adds the frozen weights (transformer, VAE, the published text encoders, the
-reward models), LoRA weights with gradients and AdamW moments, the exploration copy
+reward models), the trainable weights with their gradients and AdamW's two moments (all
+in the weights' dtype: fp32 LoRA, 16 bytes per parameter; a full fine-tune in bf16, 8),
+a full fine-tune's frozen reference copy, the exploration copy
 (FP8 through torchao stores 1 byte per weight; NVFP4 off Blackwell is simulated over a
 BF16 copy, 2 bytes) and the trajectory buffer. VAE-decode and attention transients are
 not modelled: a measured peak (``train.py --full-size`` on a GPU) supersedes this.
@@ -70,23 +72,27 @@ def estimate_config(cfg, num_processes: int = 8) -> dict:
     transformer = adapter.transformer
     mb = cfg.train.micro_batch_size
     forward = count_flops(velocity_fn(adapter, transformer, 1))
-    train = count_flops(train_step_fn(adapter, 1))
-    activations = saved_activation_bytes(train_step_fn(adapter, mb))
+    guidance = cfg.objective.train_cfg
+    train = count_flops(train_step_fn(adapter, 1, guidance))
+    activations = saved_activation_bytes(train_step_fn(adapter, mb, guidance))
     if cfg.model.gradient_checkpointing:  # the block being recomputed holds its full activations
         transformer.disable_gradient_checkpointing()
-        activations += saved_activation_bytes(train_step_fn(adapter, mb)) // max(_block_count(transformer), 1)
+        activations += saved_activation_bytes(train_step_fn(adapter, mb, guidance)) // max(_block_count(transformer), 1)
     plan = derive(cfg, num_processes)
     bf16 = 2
     frozen = param_bytes(transformer, trainable=False) + param_bytes(adapter.pipe.vae)
     text = arch.text_encoder_params * bf16
     rewards = sum(reward_params(r) for r in cfg.rewards) * 4  # rewards run in fp32 unless configured
     trainable = sum(p.numel() for p in policy.trainable_parameters())
+    trainable_state = 4 * sum(p.numel() * p.element_size() for p in policy.trainable_parameters())
+    reference = param_bytes(policy.frozen_reference) if policy.frozen_reference is not None else 0
     exploration = 0.0
     if cfg.solrl.enabled:
         exploration = sum(p.numel() for p in transformer.parameters()) * EXPLORATION_BYTES[cfg.solrl.precision]
     parts = {
         "transformer + VAE": frozen, "text encoders": text, "rewards": rewards,
-        "LoRA + grads + AdamW": 16 * trainable, "activations": activations, "exploration copy": exploration,
+        "trainable + grads + AdamW": trainable_state, "reference copy": reference, "activations": activations,
+        "exploration copy": exploration,
         "trajectory buffer": plan["trajectory_buffer_mib_per_process"] * 2**20,
     }
     gib = {k: v / GIB for k, v in parts.items()}

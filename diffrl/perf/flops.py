@@ -42,19 +42,20 @@ def velocity_fn(adapter, transformer, batch: int, guidance: bool = True):
     return run
 
 
-def train_step_fn(adapter, batch: int):
+def train_step_fn(adapter, batch: int, guidance: bool = True):
     """A closure running one training forward + backward of the (LoRA) policy velocity.
 
     The loss is a stand-in with the flow-GRPO step's shape of work (a policy velocity
     through the transformer and a scalar reduced from it); the reference and old-policy
-    forwards that some objectives add are counted separately.
+    forwards that some objectives add are counted separately. ``guidance``: whether the
+    loss's velocity applies CFG (``objective.train_cfg``), doubling the rows of CFG families.
     """
     latents, sigma, cond = velocity_inputs(adapter, batch)
     transformer = adapter.transformer
 
     def run():
         with torch.enable_grad():
-            v = adapter.velocity(transformer, latents, sigma, cond, guidance=False)
+            v = adapter.velocity(transformer, latents, sigma, cond, guidance=guidance)
             v.float().square().mean().backward()
         for p in transformer.parameters():
             p.grad = None

@@ -11,23 +11,27 @@ import time
 
 import torch
 
-# substring of torch.cuda.get_device_name() -> {dtype name: FLOP/s}
+# substring of torch.cuda.get_device_name() -> dense bf16/fp16 tensor FLOP/s; checked in
+# order, so the more specific names (NVL, PCIe, GB200) come before the names they contain
 PEAKS = {
-    "H200": {"bfloat16": 989.4e12, "float8": 1978.9e12},
-    "H100 PCIe": {"bfloat16": 756.0e12, "float8": 1513.0e12},
-    "H100": {"bfloat16": 989.4e12, "float8": 1978.9e12},  # SXM
-    "B200": {"bfloat16": 2250e12, "float8": 4500e12},
-    "A100": {"bfloat16": 312e12},
-    "L40S": {"bfloat16": 362.1e12, "float8": 733e12},
+    "H200 NVL": 835.5e12,
+    "H200": 989.4e12,  # SXM
+    "H100 NVL": 835.5e12,
+    "H100 PCIe": 756.0e12,
+    "H100": 989.4e12,  # SXM
+    "GB200": 2500e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362.1e12,
 }
 
 
 def spec_peak(device_name: str, dtype: str = "bfloat16") -> float | None:
-    """The spec-sheet peak for ``device_name`` (first matching key, most specific first)."""
-    for key, peaks in PEAKS.items():
-        if key in device_name:
-            return peaks.get(dtype)
-    return None
+    """The spec-sheet dense peak for ``device_name`` in bf16/fp16 (first matching key);
+    None for other dtypes (fp32 runs on different units) and unlisted devices."""
+    if dtype not in ("bfloat16", "float16"):
+        return None
+    return next((peak for key, peak in PEAKS.items() if key in device_name), None)
 
 
 def device_name(device) -> str:

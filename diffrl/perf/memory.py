@@ -4,7 +4,7 @@
 training forward (the dominant, batch-proportional part of training memory), through
 ``torch.autograd.graph.saved_tensors_hooks``; parameters are excluded and views of one
 tensor are counted once. The rest of a step's footprint is arithmetic on parameter
-counts (:func:`training_footprint`). These are estimates: allocator fragmentation and the
+counts (:mod:`diffrl.perf.estimate`). These are estimates: allocator fragmentation and the
 largest transient buffers are not modelled, which is why ``docs/BENCHMARKS.md`` keeps
 them apart from measured peaks.
 """
@@ -34,20 +34,3 @@ def saved_activation_bytes(fn) -> int:
 def param_bytes(module: torch.nn.Module, trainable: bool | None = None) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters()
                if trainable is None or p.requires_grad == trainable)
-
-
-def training_footprint(frozen_bytes: int, trainable_params: int, activation_bytes: int,
-                       exploration_bytes: int = 0, extra_bytes: int = 0) -> dict[str, float]:
-    """GiB per part of one training process: frozen weights, fp32 trainable weights with
-    their gradients and AdamW's two moments (16 bytes per parameter), saved activations of
-    one micro-batch, the low-precision exploration copy and anything else resident."""
-    parts = {
-        "frozen weights": frozen_bytes,
-        "trainable + grads + AdamW": 16 * trainable_params,
-        "activations (one micro-batch)": activation_bytes,
-        "exploration copy": exploration_bytes,
-        "other models": extra_bytes,
-    }
-    out = {k: v / GIB for k, v in parts.items()}
-    out["total"] = sum(parts.values()) / GIB
-    return out

@@ -25,20 +25,33 @@ class CompiledOrEager:
     def __init__(self, module: torch.nn.Module, mode: str | None, log=print):
         self.module = module
         self._compiled = torch.compile(module, mode=mode)
+        self._graphs = mode == "reduce-overhead"
         self._log = log
 
     def __call__(self, *args, **kwargs):
         if self._compiled is not None:
             try:
-                return self._compiled(*args, **kwargs)
+                out = self._compiled(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise  # a real condition of the run, not a compile failure
             except Exception as err:  # noqa: BLE001 (any compile failure: fall back, the eager call re-raises real errors)
                 self._compiled = None
                 self._log(f"perf.compile_rollout: torch.compile failed ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:200]}); running {type(self.module).__name__} eagerly")
+            else:
+                # CUDA-graph outputs live in a pool that the next replay overwrites, and the
+                # samplers keep chunk outputs across calls: hand out copies
+                return _cloned(out) if self._graphs else out
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.module, name)
+
+
+def _cloned(out):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
 
 
 def compiled(module: torch.nn.Module, perf, log=print):

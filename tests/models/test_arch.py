@@ -12,7 +12,7 @@ from diffrl.models import ModelLoadError, build_adapter
 from diffrl.models.arch import ARCH_DIR, _empty_parameters, arch_for, available_archs, load_arch, materialize
 from diffrl.twin import full_size_overrides
 
-ARCHS = ["flux1-dev", "sana-1.6b", "sd35-large", "sd35-medium", "wan2.1-t2v-1.3b"]
+ARCHS = ["flux1-dev", "sana1.5-1.6b", "sd35-large", "sd35-medium", "wan2.1-t2v-1.3b"]
 
 
 def test_every_arch_file_is_listed_and_names_itself():
@@ -38,7 +38,7 @@ def test_flux_dev_has_exactly_its_published_parameter_count():
 
 def test_real_configs_resolve_to_their_architecture():
     expected = {"flux_flowgrpo": "flux1-dev", "flux_branchgrpo": "flux1-dev", "flux_solrl": "flux1-dev",
-                "sd35_flowgrpo": "sd35-medium", "sd35_solrl": "sd35-large", "sana_solrl": "sana-1.6b",
+                "sd35_flowgrpo": "sd35-medium", "sd35_solrl": "sd35-large", "sana_solrl": "sana1.5-1.6b",
                 "wan_branchgrpo": "wan2.1-t2v-1.3b"}
     for config, arch in expected.items():
         assert arch_for(load_config(config).model.pretrained).name == arch
@@ -57,7 +57,7 @@ def test_full_size_adapter_runs_on_the_meta_device(config, latent, text):
         assert tuple(cond.tensors[key].shape[1:]) == shape and cond.tensors[key].is_meta
     x = torch.zeros((2, *latent), device="meta")
     v = adapter.velocity(adapter.transformer, x, torch.full((2,), 0.5, device="meta"), cond)
-    assert v.shape == x.shape and v.dtype == torch.float32
+    assert v.shape == x.shape and v.is_meta
 
 
 def test_materialize_gives_finite_weights_and_keeps_computed_buffers():
@@ -88,7 +88,7 @@ def test_unknown_arch_and_family_mismatch_are_clear_errors():
     with pytest.raises(ModelLoadError, match="shipped architectures: flux1-dev"):
         build_adapter(load_config("tiny_flux_flowgrpo", ["model.pretrained=random:flux2"]).model, device="meta")
     with pytest.raises(ModelLoadError, match="set model.family: sana"):
-        build_adapter(load_config("tiny_flux_flowgrpo", ["model.pretrained=random:sana-1.6b"]).model, device="meta")
+        build_adapter(load_config("tiny_flux_flowgrpo", ["model.pretrained=random:sana1.5-1.6b"]).model, device="meta")
 
 
 def test_full_size_overrides_keep_the_config_and_swap_weights_and_rewards():
@@ -100,3 +100,14 @@ def test_full_size_overrides_keep_the_config_and_swap_weights_and_rewards():
     assert {r.name for r in cfg.rewards} <= {"jpeg_compressibility", "jpeg_incompressibility"}
     with pytest.raises(ConfigError, match="no shipped architecture"):
         full_size_overrides(load_config("toy_flowgrpo"))
+
+
+def test_materialize_keeps_the_classes_fp32_modules_in_fp32():
+    from diffusers import WanTransformer3DModel
+
+    model = materialize(load_arch("wan2.1-t2v-1.3b").build_transformer(), "meta", torch.bfloat16)
+    keep = WanTransformer3DModel._keep_in_fp32_modules
+    assert "time_embedder" in keep
+    for name, p in model.named_parameters():
+        in_kept = any(k in name.split(".") for k in keep)
+        assert p.dtype == (torch.float32 if in_kept else torch.bfloat16), name

@@ -14,7 +14,8 @@ def test_every_section_runs_on_a_tiny_twin_and_writes_json(tmp_path, capsys):
     bench = load_script("bench_rollout")
     out = tmp_path / "bench.json"
     bench.main(["--config", "tiny_flux_solrl", "--repeats", "1", "--prompts", "1", "--iterations", "2",
-                "--variants", "eager,attn:_native_math", "--modes", "bf16,nvfp4:reference", "--json", str(out)])
+                "--variants", "cudagraphs,eager,attn:_native_math", "--modes", "policy,bf16,nvfp4:reference",
+                "--json", str(out)])
     printed = capsys.readouterr().out
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"tree", "precision", "optimisations", "train", "iteration"}  # no arch: no estimate
@@ -25,11 +26,14 @@ def test_every_section_runs_on_a_tiny_twin_and_writes_json(tmp_path, capsys):
         tree_nfe = sum(math.prod(spec.factors[:t]) for t in range(spec.num_steps))  # nodes alive at each step
         assert row["tree_nfe_per_leaf"] == tree_nfe / spec.leaves
         assert row["independent_nfe_per_leaf"] == cfg.sampling.num_steps
-    assert [r["mode"] for r in results["precision"]] == ["bf16", "nvfp4:reference"]
-    assert results["precision"][0]["speed_vs_first"] == 1.0
+    assert [r["mode"] for r in results["precision"]] == ["policy", "bf16", "nvfp4:reference"]
+    assert results["precision"][1]["speed_vs_bf16"] == 1.0
+    assert [r["variant"] for r in results["optimisations"]] == ["eager", "attn:_native_math"]  # no CUDA graphs on CPU
     train = results["train"]
-    assert train["tflop_per_step"] > 0 and train["mfu_basis"] == "measured GEMM" and 0 < train["mfu"] < 1
-    assert f"{train['tflop_per_step']:.4g} TFLOP" in printed  # the FLOP count is printed
+    assert train["peak_basis"] == "measured GEMM" and train["mfu"] > 0
+    # the twin trains without checkpointing: nothing is recomputed
+    assert train["model_tflop"] == train["executed_tflop"] > 0
+    assert f"model {train['model_tflop']:.4g} TFLOP" in printed  # the FLOP count is printed
     solrl, plain = results["iteration"]["config"], results["iteration"]["flow-GRPO (solrl off)"]
     assert set(solrl["seconds"]) == {"sync", "explore", "select", "regenerate", "score", "train"}
     assert set(plain["seconds"]) == {"rollout", "score", "train"}
@@ -41,5 +45,5 @@ def test_estimate_section_sizes_a_real_config_without_weights(capsys):
     bench = load_script("bench_rollout")
     bench.main(["--config", "sana_solrl", "--sections", "estimate"])
     printed = capsys.readouterr().out
-    assert "### estimate: sana-1.6b at full size, per process of 8" in printed
+    assert "### estimate: sana1.5-1.6b at full size, per process of 8" in printed
     assert "| exploration copy |" in printed
