@@ -119,8 +119,9 @@ def test_exploration_copy_is_resynced_after_optimizer_steps(tmp_path):
     ("tiny_flux_solrl", ()),
     ("tiny_flux_solrl", ("rollout.strategy=independent", "solrl.select=random", "solrl.precision=fp8")),
     ("tiny_flux_solrl", ("objective.name=nft", "objective.kl_coef=0.01")),
+    # compiled rollouts are covered by tests/perf/test_runtime.py; eager here keeps CI fast
     ("toy_solrl", ("rollout.prompts_per_step=2", "rollout.batch_size=32", "train.micro_batch_size=8",
-                   "eval.at_start=false")),
+                   "eval.at_start=false", "perf.compile_rollout=false")),
 ])
 def test_two_solrl_steps_train_with_finite_loss(name, overrides, tmp_path):
     trainer = Trainer(_cfg(name, tmp_path, *overrides))

@@ -5,6 +5,8 @@ matches the branching arithmetic."""
 import json
 import math
 
+import pytest
+
 from diffrl.config import load_config
 from diffrl.sampling import TreeSpec
 from tests.helpers import load_script
@@ -41,9 +43,18 @@ def test_every_section_runs_on_a_tiny_twin_and_writes_json(tmp_path, capsys):
     assert "Sol-RL iteration / flow-GRPO iteration" in printed
 
 
-def test_estimate_section_sizes_a_real_config_without_weights(capsys):
+def test_estimate_section_sizes_a_real_config_without_weights(tmp_path, capsys):
     bench = load_script("bench_rollout")
-    bench.main(["--config", "sana_solrl", "--sections", "estimate"])
+    out = tmp_path / "estimate.json"
+    bench.main(["--config", "sana_solrl", "--sections", "estimate", "--json", str(out)])
     printed = capsys.readouterr().out
     assert "### estimate: sana1.5-1.6b at full size, per process of 8" in printed
-    assert "| exploration copy |" in printed
+    e = json.loads(out.read_text())["results"]["estimate"]
+    assert e["arch"] == "sana1.5-1.6b" and e["params"] == 1_604_641_952
+    # SANA at 1024px: 32x32 latent tokens; one velocity with CFG is about 2 rows x 2 x params x tokens
+    approx = 2 * 2 * e["params"] * 32 * 32
+    assert 0.9 < e["forward_tflop_per_sample_step"] * 1e12 / approx < 1.3
+    # LoRA with checkpointing: forward, recompute and an input-gradient backward, CFG rows included
+    assert 2.5 < e["train_tflop_per_sample"] / e["forward_tflop_per_sample_step"] < 3.5
+    assert e["memory_gib"]["exploration copy"] > 0 and e["memory_gib"]["rewards"] > 3  # PickScore ViT-H-14, fp32
+    assert e["total_gib"] == pytest.approx(sum(e["memory_gib"].values()))
