@@ -36,3 +36,25 @@ def test_tiny_twin_keeps_weight_free_rewards_and_swaps_model_ones():
     rewards = json.loads(next(o for o in overrides if o.startswith("rewards=")).split("=", 1)[1])
     assert rewards[0]["name"] == "video_frames" and rewards[0]["args"]["reward"] == "jpeg_compressibility"
     assert rewards[1]["name"] == "jpeg_compressibility" and rewards[1]["weight"] == 0.5
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_full_size_dry_run_keeps_the_real_plan(name, capsys):
+    """``train.py --full-size --dry-run``: the published architecture on random weights, the
+    config's own arithmetic (resolution, batches, NFE), and nothing built or downloaded."""
+    from diffrl.cli import main
+    from diffrl.plan import derive
+
+    assert main(["--config", name, "--full-size", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    nfe = derive(load_config(name))["rollout_nfe_per_iteration"]
+    assert f"rollout_nfe_per_iteration {nfe:g}".split() == next(
+        line.split() for line in printed.splitlines() if line.strip().startswith("rollout_nfe_per_iteration"))
+
+
+def test_tiny_twin_and_full_size_exclude_each_other(capsys):
+    from diffrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", "flux_solrl", "--tiny-twin", "--full-size"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
