@@ -97,27 +97,38 @@ def exploration_precision(adapter, modes: list[str], batch: int, steps: int, rep
 
     ``modes``: ``policy`` (the trainable model itself, LoRA unmerged, in its own dtype),
     ``bf16`` (an exploration copy with LoRA merged and nothing quantized: the like-for-like
-    baseline, and the ``speed_vs_bf16`` denominator when present) or ``precision:backend``
-    (``fp8:torchao``, ``nvfp4:auto``...). ``policy_dtype`` says what the policy runs in
+    baseline) or ``precision:backend`` (``fp8:torchao``, ``nvfp4:auto``...). The baseline
+    is ``bf16`` when listed, else the first mode. Every other mode is raced against the
+    baseline in its own pair, and its copy is freed before the next is built, so at most
+    the policy and two copies are resident (FLUX.1-dev: 24 GB each in BF16).
+    ``speed_vs_bf16`` is the pair's ratio; ``policy_dtype`` says what the policy runs in
     (fp32 on the CPU twins).
     """
+    base_mode = "bf16" if "bf16" in modes else modes[0]
+    base_model = _exploration_model(adapter, base_mode, log)
+    dtype = str(next(adapter.transformer.parameters()).dtype).removeprefix("torch.")
+    rows = {}
+    for mode in [m for m in modes if m != base_mode] or [base_mode]:
+        model = base_model if mode == base_mode else _exploration_model(adapter, mode, log)
+        fns = {base_mode: F.velocity_fn(adapter, base_model, batch), mode: F.velocity_fn(adapter, model, batch)}
+        res = race(fns, adapter.device, repeats)
+        rows.setdefault(base_mode, res[base_mode])
+        rows[mode] = {**res[mode], "ratio": res[base_mode]["seconds"] / res[mode]["seconds"]}
+        del model, fns
+        release_memory()
+    rows[base_mode]["ratio"] = 1.0
+    return [{"mode": m, "policy_dtype": dtype, "ms_per_call": 1e3 * rows[m]["seconds"],
+             "images_per_s": batch / (rows[m]["seconds"] * steps), "speed_vs_bf16": rows[m]["ratio"],
+             "peak_gib": rows[m]["peak_gib"]} for m in modes]
+
+
+def _exploration_model(adapter, mode: str, log):
+    if mode == "policy":
+        return adapter.transformer
     from diffrl.quant.backends import build_exploration_copy
 
-    models = {}
-    for mode in modes:
-        if mode == "policy":
-            models[mode] = adapter.transformer
-            continue
-        precision, _, backend = mode.partition(":")
-        models[mode] = build_exploration_copy(adapter.transformer, adapter.family, precision, backend or "auto",
-                                              log=log).model
-    fns = {m: F.velocity_fn(adapter, model, batch) for m, model in models.items()}
-    res = race(fns, adapter.device, repeats)
-    base = res["bf16" if "bf16" in res else modes[0]]["seconds"]
-    dtype = str(next(adapter.transformer.parameters()).dtype).removeprefix("torch.")
-    return [{"mode": m, "policy_dtype": dtype, "ms_per_call": 1e3 * r["seconds"],
-             "images_per_s": batch / (r["seconds"] * steps), "speed_vs_bf16": base / r["seconds"],
-             "peak_gib": r["peak_gib"]} for m, r in res.items()]
+    precision, _, backend = mode.partition(":")
+    return build_exploration_copy(adapter.transformer, adapter.family, precision, backend or "auto", log=log).model
 
 
 # -- one training step --------------------------------------------------------------------
