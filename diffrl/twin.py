@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 
+# what every smoke or measurement run switches off: evaluation, checkpoints, trackers
+QUIET_RUN = ("eval.every=0", "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]")
 WEIGHT_FREE = ("jpeg_compressibility", "jpeg_incompressibility", "shapeworld")
 _STAND_INS = ("jpeg_compressibility", "jpeg_incompressibility")
 
@@ -50,8 +52,7 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         "model.lora.target_modules=null", "train.mixed_precision='no'", f"rollout.prompts_per_step={processes}",
         "rollout.batch_size=16", "train.micro_batch_size=4", "train.gradient_accumulation=1", "train.max_steps=1",
         "data.train_prompts=assets/prompts/tiny_train.txt", "data.eval_prompts=assets/prompts/tiny_eval.txt",
-        "eval.every=0", "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]",
-        f"run_name={cfg.run_name}_tiny_twin", f"rewards={json.dumps(_rewards(cfg))}",
+        *QUIET_RUN, f"run_name={cfg.run_name}_tiny_twin", f"rewards={json.dumps(_rewards(cfg))}",
     ]
 
 
@@ -66,7 +67,6 @@ def full_size_overrides(cfg, steps: int = 2) -> list[str]:
         raise ConfigError(f"no shipped architecture matches model.pretrained '{cfg.model.pretrained}'; "
                          "pass --set model.pretrained=random:<arch> with one of assets/arch/*.json")
     return [
-        f"model.pretrained={RANDOM_PREFIX}{arch.name}", f"train.max_steps={steps}", "eval.every=0",
-        "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]", f"run_name={cfg.run_name}_full_size",
-        f"rewards={json.dumps(_rewards(cfg))}",
+        f"model.pretrained={RANDOM_PREFIX}{arch.name}", f"train.max_steps={steps}", *QUIET_RUN,
+        f"run_name={cfg.run_name}_full_size", f"rewards={json.dumps(_rewards(cfg))}",
     ]

@@ -62,6 +62,20 @@ def parse_schedules(text: str) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def check_modes(text: str) -> list[str]:
+    """``--modes`` entries, each ``policy`` or ``precision[:backend]`` with known names."""
+    from diffrl.config import ConfigError
+    from diffrl.quant.backends import BACKENDS, PRECISIONS
+
+    modes = text.split(",")
+    for mode in modes:
+        precision, _, backend = mode.partition(":")
+        if mode != "policy" and (precision not in PRECISIONS or (backend and backend not in BACKENDS)):
+            raise ConfigError(f"--modes entry '{mode}': use policy or PRECISION[:BACKEND] with PRECISION one of "
+                              f"{', '.join(PRECISIONS)} and BACKEND one of {', '.join(BACKENDS)}")
+    return modes
+
+
 def default_schedules(cfg) -> list[tuple[list[int], list[int]]]:
     """The config's own tree (when it fits its step count) and 16 leaves from the first 4 steps."""
     n = cfg.sampling.num_steps
@@ -75,15 +89,14 @@ def resolve_config(args):
     """(the config to measure, with the model swap ``--full-size`` or the tiny twin implies;
     the config as written)."""
     from diffrl.models.arch import RANDOM_PREFIX
-    from diffrl.twin import full_size_overrides, tiny_twin_overrides
+    from diffrl.twin import QUIET_RUN, full_size_overrides, tiny_twin_overrides
 
     cfg = load_config(args.config, args.overrides)
     pretrained = cfg.model.pretrained
     if args.full_size:
         extra = full_size_overrides(cfg, steps=args.iterations)
     elif pretrained in ("tiny", "shapeworld") or pretrained.startswith(RANDOM_PREFIX):
-        extra = [f"train.max_steps={args.iterations}", "eval.every=0", "eval.at_start=false",
-                 "checkpoint.every=0", "logging.trackers=[]"]
+        extra = [f"train.max_steps={args.iterations}", *QUIET_RUN]
     else:
         extra = tiny_twin_overrides(cfg) + [f"train.max_steps={args.iterations}"]
     if args.resolution:
@@ -95,8 +108,7 @@ def build_policy(cfg, device):
     from diffrl.models import build_adapter
     from diffrl.policy import Policy
 
-    adapter = build_adapter(cfg.model, device=device) if cfg.model.pretrained.startswith("random:") \
-        else build_adapter(cfg.model)
+    adapter = build_adapter(cfg.model, device=device)  # only random:<arch> builds on the device directly
     adapter.to(device)
     return adapter, Policy(adapter, cfg.model, seed=cfg.seed)
 
@@ -115,7 +127,7 @@ def run_sections(args, cfg, written, device) -> dict:
                                                     args.repeats)
         if "precision" in wanted:
             steps = cfg.solrl.explore_num_steps if cfg.solrl.explore == "ode" else cfg.sampling.num_steps
-            out["precision"] = bench.exploration_precision(adapter, args.modes.split(","), args.batch,
+            out["precision"] = bench.exploration_precision(adapter, check_modes(args.modes), args.batch,
                                                            steps or cfg.sampling.num_steps, args.repeats)
         if "optimisations" in wanted:
             out["optimisations"] = bench.rollout_optimisations(adapter, args.batch, args.repeats,
@@ -125,10 +137,13 @@ def run_sections(args, cfg, written, device) -> dict:
                                                torch_dtype(cfg.model.dtype), cfg.objective.train_cfg)
         del adapter, policy  # the iteration section builds its own trainers
         bench.release_memory()
-    if "estimate" in wanted and arch_for(written.model.pretrained) is not None:
-        from diffrl.perf.estimate import estimate_config
+    if "estimate" in wanted:
+        if arch_for(written.model.pretrained) is None:
+            print(f"estimate: skipped, '{written.model.pretrained}' is not a shipped architecture (assets/arch)")
+        else:
+            from diffrl.perf.estimate import estimate_config
 
-        out["estimate"] = estimate_config(written, args.processes)
+            out["estimate"] = estimate_config(written, args.processes)
     if "iteration" in wanted:
         out["iteration"] = iterations(cfg, args.vs)
     return out
@@ -236,6 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--processes", type=int, default=8, help="estimate section: processes the config is split over")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
+    check_modes(args.modes)  # before any model is built
     cfg, written = resolve_config(args)
     args.batch = args.batch or cfg.rollout.batch_size
     device = torch.device(args.device)
@@ -251,4 +267,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from diffrl.cli import run_cli
+
+    run_cli(main)

@@ -83,12 +83,11 @@ def estimate_config(cfg, num_processes: int = 8) -> dict:
     frozen = param_bytes(transformer, trainable=False) + param_bytes(adapter.pipe.vae)
     text = arch.text_encoder_params * bf16
     rewards = sum(reward_params(r) for r in cfg.rewards) * 4  # rewards run in fp32 unless configured
+    total = sum(p.numel() for p in transformer.parameters())
     trainable = sum(p.numel() for p in policy.trainable_parameters())
-    trainable_state = 4 * sum(p.numel() * p.element_size() for p in policy.trainable_parameters())
+    trainable_state = 4 * param_bytes(transformer, trainable=True)  # weights, grads, two AdamW moments
     reference = param_bytes(policy.frozen_reference) if policy.frozen_reference is not None else 0
-    exploration = 0.0
-    if cfg.solrl.enabled:
-        exploration = sum(p.numel() for p in transformer.parameters()) * EXPLORATION_BYTES[cfg.solrl.precision]
+    exploration = total * EXPLORATION_BYTES[cfg.solrl.precision] if cfg.solrl.enabled else 0.0
     parts = {
         "transformer + VAE": frozen, "text encoders": text, "rewards": rewards,
         "trainable + grads + AdamW": trainable_state, "reference copy": reference, "activations": activations,
@@ -97,7 +96,7 @@ def estimate_config(cfg, num_processes: int = 8) -> dict:
     }
     gib = {k: v / GIB for k, v in parts.items()}
     nfe = plan["rollout_nfe_per_iteration"] / num_processes
-    return {"arch": arch.name, "params": sum(p.numel() for p in transformer.parameters()) - trainable,
+    return {"arch": arch.name, "params": total - trainable,
             "trainable_params": trainable, "forward_tflop_per_sample_step": forward / 1e12,
             "train_tflop_per_sample": train / 1e12, "rollout_tflop_per_iteration_per_process": nfe * forward / 1e12,
             "memory_gib": gib, "total_gib": sum(gib.values()), "num_processes": num_processes}

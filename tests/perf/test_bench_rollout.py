@@ -58,3 +58,13 @@ def test_estimate_section_sizes_a_real_config_without_weights(tmp_path, capsys):
     assert 2.5 < e["train_tflop_per_sample"] / e["forward_tflop_per_sample_step"] < 3.5
     assert e["memory_gib"]["exploration copy"] > 0 and e["memory_gib"]["rewards"] > 3  # PickScore ViT-H-14, fp32
     assert e["total_gib"] == pytest.approx(sum(e["memory_gib"].values()))
+
+
+def test_a_bad_mode_is_one_error_before_any_model_is_built(capsys):
+    from diffrl.cli import run_cli
+
+    bench = load_script("bench_rollout")
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(bench.main, ["--config", "tiny_flux_solrl", "--sections", "precision", "--modes", "bf16,fp5:auto"])
+    assert exit_info.value.code == 2
+    assert "--modes entry 'fp5:auto'" in capsys.readouterr().err
