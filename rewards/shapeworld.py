@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffrl.toy import grammar
+from diffrl.toy.fidelity import fidelity
 from diffrl.toy.shapeworld import BACKGROUND, PALETTE, Placed, relation_holds
 from rewards.images import RewardInputError, to_tensor_batch
 
@@ -157,17 +158,25 @@ def verify(prompt: str, detections: list[Detection], margin: float = 2.0) -> Ver
 class ShapeWorldVerifier:
     """Registered as ``shapeworld``. ``score`` picks what is optimised: ``partial``
     (dense, the default), ``strict``, or ``mean`` of the two. Both are always logged
-    (``shapeworld_strict``, ``shapeworld_partial``); each image's :class:`Verdict` is put
-    in ``metadata["shapeworld"]`` when a metadata dict is passed."""
+    (``shapeworld_strict``, ``shapeworld_partial``), and so are the fidelity measures of
+    :mod:`diffrl.toy.fidelity` (``fidelity/background_darkness``, ``fidelity/stray_pixels``,
+    ``fidelity/off_palette``), which evaluation reports as ``eval/fidelity/...``.
+
+    ``background_penalty`` (lambda, default 0) turns the verifier into a damage-aware
+    reward: score - lambda * stray_pixels, so that of two images satisfying the same
+    clauses the one with the cleaner canvas ranks higher in its group. Each image's
+    :class:`Verdict` is put in ``metadata["shapeworld"]`` when a metadata dict is passed."""
 
     name = "shapeworld"
 
     def __init__(self, score: str = "partial", fg_threshold: float = 0.3, min_area: int = 10,
-                 relation_margin: float = 2.0):
+                 relation_margin: float = 2.0, background_penalty: float = 0.0):
         if score not in ("partial", "strict", "mean"):
             raise ValueError(f"shapeworld: score must be 'partial', 'strict' or 'mean', got '{score}'")
+        if not background_penalty >= 0:
+            raise ValueError(f"shapeworld: background_penalty must be >= 0, got {background_penalty}")
         self.score, self.fg_threshold, self.min_area = score, fg_threshold, min_area
-        self.relation_margin = relation_margin
+        self.relation_margin, self.background_penalty = relation_margin, float(background_penalty)
 
     def check_prompts(self, prompts: list[str]) -> None:
         """Raise one :class:`~diffrl.toy.grammar.PromptGrammarError` naming every bad prompt."""
@@ -183,6 +192,7 @@ class ShapeWorldVerifier:
                 f"shapeworld reward: {len(bad)} prompt(s) outside the grammar: {shown}. {grammar.GRAMMAR_HELP}")
 
     def __call__(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
+        images = to_tensor_batch(images).float()
         dets = detect(images, self.fg_threshold, self.min_area)
         if len(prompts) != len(dets):
             raise ValueError(f"shapeworld: {len(dets)} images but {len(prompts)} prompts")
@@ -191,5 +201,8 @@ class ShapeWorldVerifier:
         partial = torch.tensor([v.partial for v in verdicts])
         if isinstance(metadata, dict):
             metadata[self.name] = verdicts
+        damage = {k: v.cpu() for k, v in fidelity(images, self.fg_threshold).items()}
         score = {"partial": partial, "strict": strict, "mean": (strict + partial) / 2}[self.score]
-        return {self.name: score, "shapeworld_strict": strict, "shapeworld_partial": partial}
+        if self.background_penalty:
+            score = score - self.background_penalty * damage["fidelity/stray_pixels"]
+        return {self.name: score, "shapeworld_strict": strict, "shapeworld_partial": partial, **damage}
