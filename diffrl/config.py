@@ -217,6 +217,8 @@ class TrainConfig:
 class EvalConfig:
     every: int = _f(0, "Evaluate every N iterations (and at the end); 0 disables.")
     num_prompts: int = _f(4, "Held-out prompts used per evaluation.")
+    train_num_prompts: int = _f(
+        0, "Training prompts also evaluated (a fixed, evenly spaced subset; logged as eval_train/...); 0 skips them.")
     seeds: list[int] = _f([0], "Fixed seeds; each prompt is sampled once per seed.")
     at_start: bool = _f(False, "Also evaluate before the first update.")
 

@@ -1,10 +1,20 @@
-"""Held-out evaluation: fixed prompts x fixed seeds, deterministic ODE sampling.
+"""Evaluation: fixed prompts x fixed seeds, deterministic ODE sampling.
 
-Noise keys depend only on (prompt index, seed), so every evaluation of a run (and of
-any checkpoint) sees exactly the same initial noise. Besides the mean of every reward
-score it logs ``eval/diversity``: the mean pairwise RMS pixel distance between the
-samples of the same prompt (images downsampled to at most 64 px), so that reward
-hacking by mode collapse shows up as a falling diversity.
+Two prompt sets are evaluated, each logged under its own prefix:
+
+* ``eval/``: the held-out prompts (``eval.num_prompts`` of them), what a run reports;
+* ``eval_train/``: a fixed, evenly spaced subset of the *training* prompts
+  (``eval.train_num_prompts``, 0 to skip), which tells a policy that fails to learn its
+  own prompts apart from one that fails to generalise.
+
+Noise keys depend only on (set, prompt index, seed), so every evaluation of a run (and of
+any checkpoint) sees exactly the same initial noise. For every reward score it logs the
+mean, ``<prefix>/<name>/se`` and ``<prefix>/n`` (the number of samples). The standard
+error is taken over prompts (the standard deviation of the per-prompt means over the
+square root of the number of prompts): the seeds of one prompt are correlated, so the
+binomial sqrt(p (1 - p) / n) over all samples would understate it. ``eval/diversity`` is
+the mean pairwise RMS pixel distance between the samples of the same prompt (images
+downsampled to at most 64 px), so that mode collapse shows up next to the reward.
 """
 
 from __future__ import annotations
@@ -18,14 +28,36 @@ from diffrl.sampling.rollout import rollout_independent
 DIVERSITY_SIZE = 64
 
 
-def eval_plan(prompts: list[str], num_prompts: int, seeds: list[int]) -> tuple[list[str], list[tuple]]:
+def eval_plan(prompts: list[str], num_prompts: int, seeds: list[int], tag: str = "eval") -> tuple[list[str], list[tuple]]:
+    """The first ``num_prompts`` prompts, each once per seed, with noise keys (tag, i, seed)."""
     chosen = prompts[:num_prompts]
     plan_prompts, keys = [], []
     for i, prompt in enumerate(chosen):
         for seed in seeds:
             plan_prompts.append(prompt)
-            keys.append(("eval", i, seed))
+            keys.append((tag, i, seed))
     return plan_prompts, keys
+
+
+def spaced_subset(prompts: list[str], count: int) -> list[str]:
+    """``count`` prompts evenly spaced through ``prompts`` (all when count >= len): a fixed
+    subset that covers a file sorted by prompt type as well as a shuffled one."""
+    if count >= len(prompts):
+        return list(prompts)
+    return [prompts[(i * len(prompts)) // count] for i in range(count)]
+
+
+def standard_error(values: torch.Tensor, prompt_index: list[int]) -> float:
+    """Standard error of the mean over prompts: std of the per-prompt means / sqrt(#prompts)
+    (NaN with fewer than two prompts)."""
+    index = torch.tensor(prompt_index)
+    uniq, inverse = torch.unique(index, return_inverse=True)
+    if len(uniq) < 2:
+        return float("nan")
+    sums = torch.zeros(len(uniq), dtype=torch.float64).scatter_add_(0, inverse, values.double())
+    counts = torch.zeros(len(uniq), dtype=torch.float64).scatter_add_(0, inverse, torch.ones_like(values.double()))
+    means = sums / counts
+    return float(means.std(unbiased=True) / len(uniq) ** 0.5)
 
 
 def _pad_to_multiple(items: list, world: int) -> list:
@@ -63,11 +95,15 @@ SHEET_SIZE = 16
 
 
 @torch.no_grad()
-def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], cfg, sheet_path=None) -> dict[str, float]:
-    """Mean of every reward score over the eval set as ``eval/<name>/mean``, plus
-    ``eval/diversity``. With ``sheet_path`` the main process also saves its first
-    samples (the fixed eval noise, so sheets of different steps line up) as a PNG."""
-    plan_prompts, keys = eval_plan(prompts, cfg.eval.num_prompts, cfg.eval.seeds)
+def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], cfg, sheet_path=None,
+             prefix: str = "eval", num_prompts: int | None = None) -> dict[str, float]:
+    """Every reward score over ``prompts`` (the first ``num_prompts``, default
+    ``eval.num_prompts``) x ``eval.seeds``: ``<prefix>/<name>/mean`` and ``/se``,
+    ``<prefix>/n`` and ``<prefix>/diversity``. With ``sheet_path`` the main process also
+    saves its first samples (the fixed eval noise, so sheets of different steps line up)
+    as a PNG."""
+    count = cfg.eval.num_prompts if num_prompts is None else num_prompts
+    plan_prompts, keys = eval_plan(prompts, count, cfg.eval.seeds, tag=prefix)
     n = len(keys)
     world, rank = accelerator.num_processes, accelerator.process_index
     padded_p, padded_k = _pad_to_multiple(plan_prompts, world), _pad_to_multiple(keys, world)
@@ -86,8 +122,12 @@ def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], c
         image_sheet(traj.images[:SHEET_SIZE].cpu(), captions).save(sheet_path)
     names = sorted(logs)
     local = torch.stack([logs[k] for k in names], dim=1).to(accelerator.device)
-    gathered = accelerator.gather(local)[:n]
-    out = {f"eval/{name}/mean": float(gathered[:, j].mean()) for j, name in enumerate(names)}
+    gathered = accelerator.gather(local)[:n].cpu()
+    prompt_index = [k[1] for k in keys]
+    out: dict[str, float] = {f"{prefix}/n": n}
+    for j, name in enumerate(names):
+        out[f"{prefix}/{name}/mean"] = float(gathered[:, j].mean())
+        out[f"{prefix}/{name}/se"] = standard_error(gathered[:, j], prompt_index)
     thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
-    out["eval/diversity"] = diversity(thumbs, [k[1] for k in keys])
+    out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
     return out

@@ -17,38 +17,63 @@ def eval_rows(metrics_path: Path) -> list[dict]:
     return [r for r in rows if any(k.startswith("eval/") for k in r)]
 
 
+PREFIXES = (("eval/", "held-out prompts"), ("eval_train/", "training prompts"))
+
+
 def before_after(metrics_path: Path, headlines: tuple[str, ...] = ()) -> str:
-    """A fixed-width table of every ``eval/`` metric at the first and the last evaluation.
+    """A fixed-width table of every evaluation metric at the first and the last evaluation:
+    the held-out set (``eval/``) and the training subset (``eval_train/``), each headed by
+    its sample count, with ``± se`` where a standard error was logged.
 
     The first of ``headlines`` that was logged (e.g. ``eval/shapeworld_strict/mean``) is
-    listed first and marked with ``*``.
+    listed first and marked with ``*``. Diversity and fidelity (damage) change as a ratio
+    after / before, everything else as a difference.
     """
     rows = eval_rows(metrics_path)
     if len(rows) < 2:
         return "before/after: fewer than two evaluations were logged (set eval.at_start and eval.every)"
     first, last = rows[0], rows[-1]
-    keys = sorted(k for k in last if k.startswith("eval/") and k in first)
-    headline = next((h for h in headlines if h in keys), None)
-    if headline:
-        keys.remove(headline)
-        keys.insert(0, headline)
-    width = max(len(k) for k in keys) + 2
-    lines = [f"{'held-out evaluation':<{width}}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}"
+    width = max(len(k) for k in last) + 2
+    lines = [f"{'evaluation':<{width}}{'step ' + str(first['step']):>18}{'step ' + str(last['step']):>18}"
              f"{'change':>10}"]
-    for k in keys:
-        a, b = first[k], last[k]
-        if a is None or b is None:
-            change = "n/a"
-        elif k == "eval/diversity":
-            change = f"{100 * b / a:.0f}%" if a else "n/a"
-        else:
-            change = f"{b - a:+.3f}"
-        mark = "* " if k == headline else "  "
-        lines.append(f"{mark}{k:<{width - 2}}{_fmt(a):>12}{_fmt(b):>12}{change:>10}")
+    for prefix, title in PREFIXES:
+        keys = sorted(k for k in last if k.startswith(prefix) and k in first and _is_value(k))
+        if not keys:
+            continue
+        headline = next((h for h in headlines if h in keys), None)
+        if headline:
+            keys.remove(headline)
+            keys.insert(0, headline)
+        lines.append(f"{title} (n = {_count(first, prefix)} / {_count(last, prefix)} samples)")
+        for k in keys:
+            mark = "* " if k == headline else "  "
+            lines.append(f"{mark}{k:<{width - 2}}{_cell(first, k):>18}{_cell(last, k):>18}{_change(k, first[k], last[k]):>10}")
     minutes = (last.get("wall_time") or 0) / 60
-    lines.append(f"(wall time {minutes:.1f} min; diversity change is after/before)")
+    lines.append(f"(wall time {minutes:.1f} min; ± is one standard error over prompts; diversity and fidelity "
+                 "change as after/before)")
     return "\n".join(lines)
 
 
-def _fmt(value) -> str:
-    return "n/a" if value is None else f"{value:.4g}"
+def _is_value(key: str) -> bool:
+    return key.endswith("/mean") or key.endswith("/diversity")
+
+
+def _count(row: dict, prefix: str) -> str:
+    n = row.get(f"{prefix}n")
+    return "?" if n is None else str(int(n))
+
+
+def _cell(row: dict, key: str) -> str:
+    value = row[key]
+    se = row.get(key[: -len("/mean")] + "/se") if key.endswith("/mean") else None
+    if value is None:
+        return "n/a"
+    return f"{value:.4g} ± {se:.3f}" if se is not None and se == se else f"{value:.4g}"
+
+
+def _change(key: str, a, b) -> str:
+    if a is None or b is None:
+        return "n/a"
+    if key.endswith("/diversity") or "/fidelity/" in key:
+        return f"{b / a:.2f}x" if a else ("1.00x" if b == a else "from 0")
+    return f"{b - a:+.3f}"

@@ -22,7 +22,7 @@ from diffrl.algorithms.solrl import SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
 from diffrl.data import load_prompts, plan_step
-from diffrl.evaluation import evaluate
+from diffrl.evaluation import evaluate, spaced_subset
 from diffrl.metrics import MetricsLogger, StageClock
 from diffrl.models import build_adapter
 from diffrl.perf.runtime import apply_attention_backend, compiled
@@ -62,7 +62,9 @@ class Trainer:
         self.acc = accelerator or make_accelerator(cfg)
         # fail fast on bad inputs before any model is built
         self.train_prompts = load_prompts(cfg.data.train_prompts)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts) if cfg.eval.every or cfg.eval.at_start else []
+        evaluating = bool(cfg.eval.every or cfg.eval.at_start)
+        self.eval_prompts = load_prompts(cfg.data.eval_prompts) if evaluating else []
+        self.train_eval_prompts = spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
         self.reward_fn = MultiReward(cfg.rewards)
         self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
         self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
@@ -215,13 +217,19 @@ class Trainer:
         return metrics
 
     def evaluate(self) -> dict:
+        """Held-out prompts (``eval/``) and, if configured, the training subset (``eval_train/``)."""
         ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
         with ctx:
             sheets = self.cfg.run_dir / "samples"
             if self.acc.is_main_process:
                 sheets.mkdir(parents=True, exist_ok=True)
-            return evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn, self.eval_prompts,
-                            self.cfg, sheet_path=sheets / f"step-{self.step}.png")
+            out = evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn, self.eval_prompts,
+                           self.cfg, sheet_path=sheets / f"step-{self.step}.png")
+            if self.train_eval_prompts:
+                out.update(evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn,
+                                    self.train_eval_prompts, self.cfg, prefix="eval_train",
+                                    num_prompts=len(self.train_eval_prompts)))
+            return out
 
     # -- loop -----------------------------------------------------------------------------
     def resume(self, spec: str) -> None:

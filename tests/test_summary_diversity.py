@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from diffrl.evaluation import diversity, thumbnails
+from diffrl.evaluation import diversity, spaced_subset, standard_error, thumbnails
 from diffrl.summary import before_after
 
 
@@ -53,9 +53,29 @@ def test_before_after_uses_first_and_last_evaluation_and_marks_the_headline(tmp_
     ])
     table = before_after(path, ("eval/r_strict/mean", "eval/r/mean")).splitlines()
     assert "step 0" in table[0] and "step 10" in table[0]
-    assert table[1].startswith("* eval/r_strict/mean") and table[1].split()[-3:] == ["0.25", "0.75", "+0.500"]
-    assert [line.split()[-1] for line in table[2:4]] == ["75%", "+0.400"]  # diversity, r
+    assert table[1].startswith("held-out prompts")
+    assert table[2].startswith("* eval/r_strict/mean") and table[2].split()[-3:] == ["0.25", "0.75", "+0.500"]
+    assert [line.split()[-1] for line in table[3:5]] == ["0.75x", "+0.400"]  # diversity, r
     assert "wall time 2.0 min" in table[-1]
+
+
+def test_before_after_shows_counts_standard_errors_training_prompts_and_fidelity_ratios(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    row = {"eval/n": 660, "eval/s/mean": 0.2, "eval/s/se": 0.016, "eval/fidelity/dark/mean": 0.001,
+           "eval_train/n": 256, "eval_train/s/mean": 0.3, "eval_train/s/se": 0.02}
+    later = {**row, "eval/s/mean": 0.7, "eval/s/se": 0.018, "eval/fidelity/dark/mean": 0.0015,
+             "eval_train/s/mean": 0.8}
+    _write(path, [{"step": 0, **row}, {"step": 50, **later}])
+    table = before_after(path, ("eval/s/mean",))
+    lines = table.splitlines()
+    held = lines.index("held-out prompts (n = 660 / 660 samples)")
+    train = lines.index("training prompts (n = 256 / 256 samples)")
+    assert held < train
+    assert lines[held + 1].split() == ["*", "eval/s/mean", "0.2", "±", "0.016", "0.7", "±", "0.018", "+0.500"]
+    fidelity = next(line for line in lines if "eval/fidelity/dark/mean" in line)
+    assert fidelity.split()[-1] == "1.50x"
+    assert lines[train + 1].split()[-1] == "+0.500"
+    assert "/se" not in table and "eval/n " not in table  # standard errors and counts are not rows of their own
 
 
 def test_before_after_needs_two_evaluations(tmp_path):
@@ -63,3 +83,20 @@ def test_before_after_needs_two_evaluations(tmp_path):
     _write(path, [{"step": 0, "eval/r/mean": 0.5}])
     assert "fewer than two evaluations" in before_after(path)
     assert "fewer than two evaluations" in before_after(tmp_path / "missing.jsonl")
+
+
+def test_standard_error_is_taken_over_per_prompt_means():
+    values = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.5])
+    prompt_index = [0, 0, 1, 1, 2, 2, 3, 3]
+    means = [0.5, 1.0, 0.0, 0.75]
+    mu = sum(means) / 4
+    want = math.sqrt(sum((m - mu) ** 2 for m in means) / 3) / math.sqrt(4)
+    assert math.isclose(standard_error(values, prompt_index), want, rel_tol=1e-12)
+    assert math.isnan(standard_error(values[:2], [0, 0]))
+
+
+def test_spaced_subset_is_even_and_fixed():
+    prompts = [f"p{i}" for i in range(10)]
+    assert spaced_subset(prompts, 5) == ["p0", "p2", "p4", "p6", "p8"]
+    assert spaced_subset(prompts, 3) == ["p0", "p3", "p6"]
+    assert spaced_subset(prompts, 20) == prompts

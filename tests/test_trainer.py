@@ -104,9 +104,14 @@ def test_nonfinite_reward_skips_update(tiny_cfg):
 
 
 def test_evaluation_keys_and_fixed_seeds(tiny_cfg):
-    trainer = Trainer(tiny_cfg("flux", "eval.every=1", "train.max_steps=1", "eval.seeds=[0, 1]"))
+    trainer = Trainer(tiny_cfg("flux", "eval.every=1", "train.max_steps=1", "eval.seeds=[0, 1]",
+                               "eval.train_num_prompts=3"))
     first = trainer.evaluate()
-    assert set(first) >= {"eval/jpeg_incompressibility/mean"}
+    assert set(first) >= {"eval/jpeg_incompressibility/mean", "eval/jpeg_incompressibility/se", "eval/n",
+                          "eval_train/jpeg_incompressibility/mean", "eval_train/jpeg_incompressibility/se"}
+    assert first["eval/n"] == 2 * min(trainer.cfg.eval.num_prompts, len(trainer.eval_prompts))
+    assert first["eval_train/n"] == 2 * 3 and len(trainer.train_eval_prompts) == 3
+    assert first["eval_train/jpeg_incompressibility/mean"] != first["eval/jpeg_incompressibility/mean"]
     assert trainer.evaluate() == first  # same noise, same weights -> same scores
 
 
