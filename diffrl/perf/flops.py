@@ -10,9 +10,33 @@ for them (about 2x the forward, not the 3x of full training).
 from __future__ import annotations
 
 import torch
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 PROMPTS = ("a photo of a cat sitting on a table", "two dogs running on the beach")
+
+
+def _register_cpu_attention_formulas() -> None:
+    """Count CPU attention too. Some torch builds (2.14.1, for one) dispatch CPU SDPA to
+    ``_scaled_dot_product_flash_attention_for_cpu``, which has no formula in their flop
+    registry, so attention silently counted 0 FLOPs there. Register torch's own SDPA
+    formulas for that op and its backward where they are missing; builds that already
+    count it are left alone."""
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is not None and forward.default not in flop_counter.flop_registry:
+        @flop_counter.register_flop_formula(forward)
+        def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+    if backward is not None and backward.default not in flop_counter.flop_registry:
+        @flop_counter.register_flop_formula(backward)
+        def _cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                     **kwargs) -> int:
+            return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register_cpu_attention_formulas()
 
 
 def count_flops(fn) -> int:
