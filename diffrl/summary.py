@@ -68,7 +68,7 @@ def _cell(row: dict, key: str) -> str:
     se = row.get(key[: -len("/mean")] + "/se") if key.endswith("/mean") else None
     if value is None:
         return "n/a"
-    return f"{value:.4g} ± {se:.3f}" if se is not None and se == se else f"{value:.4g}"
+    return f"{value:.4g} ± {se:.2g}" if se is not None and se == se else f"{value:.4g}"
 
 
 def _change(key: str, a, b) -> str:

@@ -62,7 +62,7 @@ def test_before_after_uses_first_and_last_evaluation_and_marks_the_headline(tmp_
 def test_before_after_shows_counts_standard_errors_training_prompts_and_fidelity_ratios(tmp_path):
     path = tmp_path / "metrics.jsonl"
     row = {"eval/n": 660, "eval/s/mean": 0.2, "eval/s/se": 0.016, "eval/fidelity/dark/mean": 0.001,
-           "eval_train/n": 256, "eval_train/s/mean": 0.3, "eval_train/s/se": 0.02}
+           "eval/fidelity/dark/se": 0.0000234, "eval_train/n": 256, "eval_train/s/mean": 0.3, "eval_train/s/se": 0.02}
     later = {**row, "eval/s/mean": 0.7, "eval/s/se": 0.018, "eval/fidelity/dark/mean": 0.0015,
              "eval_train/s/mean": 0.8}
     _write(path, [{"step": 0, **row}, {"step": 50, **later}])
@@ -74,6 +74,7 @@ def test_before_after_shows_counts_standard_errors_training_prompts_and_fidelity
     assert lines[held + 1].split() == ["*", "eval/s/mean", "0.2", "±", "0.016", "0.7", "±", "0.018", "+0.500"]
     fidelity = next(line for line in lines if "eval/fidelity/dark/mean" in line)
     assert fidelity.split()[-1] == "1.50x"
+    assert fidelity.split()[1:4] == ["0.001", "±", "2.3e-05"]  # a small standard error keeps its digits
     assert lines[train + 1].split()[-1] == "+0.500"
     assert "/se" not in table and "eval/n " not in table  # standard errors and counts are not rows of their own
 
