@@ -42,6 +42,11 @@ def check(cfg) -> None:
     if obj.nft_beta <= 0 or obj.nft_old_decay_flat < 0 or obj.nft_old_decay_rate < 0 or not 0 <= obj.nft_old_decay_max < 1:
         raise ConfigError("objective.nft_beta must be > 0, nft_old_decay_flat and nft_old_decay_rate >= 0, "
                           "nft_old_decay_max in [0, 1)")
+    if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
+        raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
+    if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
+        raise ConfigError("objective.anchor_coef works with independent rollouts only (rollout.strategy: "
+                          "independent); trees train the steps their edges cover: set objective.anchor_coef to 0")
 
 
 def _check_tree(cfg) -> None:

@@ -42,6 +42,7 @@ class Pass:
     t: int  # denoising step
     share: tuple[int, int]  # (numerator, denominator): weight of the pass's mean loss in its optimizer step
     live: list[bool] | None = None  # False for padding rows (forwarded for DDP, weight 0); None: all live
+    anchor: bool = False  # a velocity-anchor pass on an untrained step (diffrl.algorithms.anchor)
 
 
 def optimizer_steps_per_epoch(samples: int, cfg) -> int:
@@ -57,16 +58,28 @@ def train_timesteps(trainable: list[int], fraction: float, *key) -> list[int]:
     return sorted(trainable[i] for i in perm.tolist())
 
 
-def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int) -> list[list[Pass]]:
+def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int,
+                 anchored: list[int] = ()) -> list[list[Pass]]:
+    """Micro-batches of samples, each trained on a keyed subset of ``trainable`` steps.
+    With ``anchored`` steps, each micro-batch also gets anchor passes on a keyed subset
+    of them (``objective.anchor_fraction``); policy and anchor passes are normalised
+    separately, so anchoring never rescales the policy loss."""
     mb, accum = cfg.train.micro_batch_size, cfg.train.gradient_accumulation
     order = torch.randperm(n, generator=rng.generator(cfg.seed, "shuffle", step, epoch)).tolist()
     batches = [order[i:i + mb] for i in range(0, n, mb)]
     groups = []
     for start in range(0, len(batches), accum):
-        pairs = [(idx, t) for j, idx in enumerate(batches[start:start + accum])
+        chunk = list(enumerate(batches[start:start + accum]))
+        pairs = [(idx, t) for j, idx in chunk
                  for t in train_timesteps(trainable, cfg.objective.timestep_fraction, cfg.seed, "t", step, epoch,
                                           start, j)]
-        groups.append([Pass(idx, t, (1, len(pairs))) for idx, t in pairs])
+        passes = [Pass(idx, t, (1, len(pairs))) for idx, t in pairs]
+        if anchored:
+            extra = [(idx, t) for j, idx in chunk
+                     for t in train_timesteps(list(anchored), cfg.objective.anchor_fraction, cfg.seed, "anchor", step,
+                                              epoch, start, j)]
+            passes += [Pass(idx, t, (1, len(extra)), anchor=True) for idx, t in extra]
+        groups.append(passes)
     return groups
 
 

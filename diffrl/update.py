@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.flow_grpo import LossContext, StepBatch
 from diffrl.passes import Pass, edge_major, sample_major, step_edge_counts
 from diffrl.sampling import rng
@@ -86,9 +87,10 @@ class Updater:
             trainable = list(range(traj.num_steps)) if self.forward_process else traj.trainable_steps()
             if not trainable:
                 raise ValueError("no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty")
+            anchored = [t for t in range(traj.num_steps) if t not in trainable] if cfg.objective.anchor_coef > 0 else []
 
             def plan(epoch):
-                return sample_major(len(traj.keys), trainable, cfg, step, epoch)
+                return sample_major(len(traj.keys), trainable, cfg, step, epoch, anchored)
         else:
             if not bool(train.any()):  # everything pruned at this iteration: nothing to update
                 return {}
@@ -120,12 +122,12 @@ class Updater:
         bad = False
         for i, p in enumerate(passes):
             batch = self._step_batch(traj, cond, advantages, keep, p)
-            if self.forward_process:
+            if self.forward_process and not p.anchor:
                 batch = self._forward_noised(batch, traj, p, epoch)
             last = i == len(passes) - 1
             sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
-                loss, stats = self.objective(ctx, batch)
+                loss, stats = (anchor_loss if p.anchor else self.objective)(ctx, batch)
             if _any_process(self.acc, not bool(torch.isfinite(loss))):
                 bad = True
             if not bad:
