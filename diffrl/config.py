@@ -189,7 +189,7 @@ class ObjectiveConfig:
     anchor_coef: float = _f(0.0, "Velocity anchor on the steps the objective does not train (outside the SDE window): "
                                  "anchor_coef * mean ||v_theta - v_ref||^2 on the rollout's own states there. "
                                  "Keeps the untrained low-noise steps from drifting (docs/ALGORITHMS.md).")
-    anchor_fraction: float = _f(0.34, "Share of the untrained steps anchored per micro-batch (keyed random subset).")
+    anchor_fraction: float = _f(0.25, "Share of the untrained steps anchored per micro-batch (keyed random subset).")
     nft_beta: float = _f(1.0, "DiffusionNFT: step size beta of the implicit positive/negative policies.")
     nft_old_decay_flat: int = _f(0, "DiffusionNFT old policy: iterations with decay 0 (old = current) before the ramp.")
     nft_old_decay_rate: float = _f(0.001, "DiffusionNFT old policy: decay grows by this per iteration after the flat part.")

@@ -33,9 +33,7 @@ def before_after(metrics_path: Path, headlines: tuple[str, ...] = ()) -> str:
     if len(rows) < 2:
         return "before/after: fewer than two evaluations were logged (set eval.at_start and eval.every)"
     first, last = rows[0], rows[-1]
-    width = max(len(k) for k in last) + 2
-    lines = [f"{'evaluation':<{width}}{'step ' + str(first['step']):>18}{'step ' + str(last['step']):>18}"
-             f"{'change':>10}"]
+    sections = []  # (title, [(mark + key, before, after, change)])
     for prefix, title in PREFIXES:
         keys = sorted(k for k in last if k.startswith(prefix) and k in first and _is_value(k))
         if not keys:
@@ -44,10 +42,21 @@ def before_after(metrics_path: Path, headlines: tuple[str, ...] = ()) -> str:
         if headline:
             keys.remove(headline)
             keys.insert(0, headline)
-        lines.append(f"{title} (n = {_count(first, prefix)} / {_count(last, prefix)} samples)")
-        for k in keys:
-            mark = "* " if k == headline else "  "
-            lines.append(f"{mark}{k:<{width - 2}}{_cell(first, k):>18}{_cell(last, k):>18}{_change(k, first[k], last[k]):>10}")
+        cells = [(("* " if k == headline else "  ") + k, _cell(first, k), _cell(last, k), _change(k, first[k], last[k]))
+                 for k in keys]
+        sections.append((f"{title} (n = {_count(first, prefix)} / {_count(last, prefix)} samples)", cells))
+    header = ("evaluation", f"step {first['step']}", f"step {last['step']}", "change")
+    every = [header] + [c for _, cells in sections for c in cells]
+    # each column as wide as its widest cell, two spaces apart, so long values never touch
+    w = [max(len(row[i]) for row in every) + (0 if i == 0 else 2) for i in range(4)]
+
+    def fmt(row):
+        return f"{row[0]:<{w[0]}}{row[1]:>{w[1]}}{row[2]:>{w[2]}}{row[3]:>{w[3]}}"
+
+    lines = [fmt(header)]
+    for title, cells in sections:
+        lines.append(title)
+        lines += [fmt(c) for c in cells]
     minutes = (last.get("wall_time") or 0) / 60
     lines.append(f"(wall time {minutes:.1f} min; ± is one standard error over prompts; diversity and fidelity "
                  "change as after/before)")

@@ -101,3 +101,15 @@ def test_spaced_subset_is_even_and_fixed():
     assert spaced_subset(prompts, 5) == ["p0", "p2", "p4", "p6", "p8"]
     assert spaced_subset(prompts, 3) == ["p0", "p3", "p6"]
     assert spaced_subset(prompts, 20) == prompts
+
+
+def test_before_after_keeps_long_cells_apart(tmp_path):
+    """A long key with long 'value ± se' cells (the shipped configs' training-prompt
+    darkness) must still split into separate columns."""
+    path = tmp_path / "metrics.jsonl"
+    key = "eval_train/fidelity/background_darkness"
+    _write(path, [{"step": 0, "eval/s/mean": 0.2, f"{key}/mean": 0.002221, f"{key}/se": 2.4e-06},
+                  {"step": 100, "eval/s/mean": 0.3, f"{key}/mean": 0.009998, f"{key}/se": 5.3e-06}])
+    row = next(line for line in before_after(path).splitlines() if key in line)
+    assert row.split() == [f"{key}/mean", "0.002221", "±", "2.4e-06", "0.009998", "±", "5.3e-06", "4.50x"]
+    assert "  0.002221" in row and "e-06  0.009998" in row
