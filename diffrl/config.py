@@ -180,7 +180,7 @@ class ObjectiveConfig:
     timestep_fraction: float = _f(1.0, "Fraction of trainable denoising steps used per sample.")
     kl_coef: float = _f(0.0, "Weight of the KL to the reference policy.")
     kl_type: Literal["exact", "flow_grpo"] = _f(
-        "exact", "'exact' Gaussian KL ||mu-mu_ref||^2/(2 std^2 dt); 'flow_grpo' divides by std_t^2 instead."
+        "exact", "'exact' Gaussian KL ||mu-mu_ref||^2/(2 std^2), std^2 = std_t^2 (-dt); 'flow_grpo' divides by 2 std_t^2 instead."
     )
     logprob_reduction: Literal["mean", "sum"] = _f(
         "mean", "Reduce the per-element Gaussian log-density over latent dims by mean (flow_grpo) or sum."
