@@ -5,6 +5,13 @@ rank agreement. Writes ``report.png`` and ``summary.md``.
 
     python scripts/report.py outputs/toy_flowgrpo
     python scripts/report.py outputs/toy_flowgrpo outputs/toy_solrl --out outputs/report
+
+Several seeds of one method: NAME=DIR1,DIR2,DIR3. The summary then adds a methods table
+(held-out strict as mean ± sd [min, max] over seeds, the evaluation's standard error,
+training strict, darkness and diversity against the base) and the plot starts with the
+seed means (diffrl/seed_groups.py):
+
+    python scripts/report.py anchor=runs/a0,runs/a1,runs/a2 plain=runs/p0,runs/p1,runs/p2 --out report
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffrl.plots import panels  # noqa: E402
+from diffrl.seed_groups import group_panels, methods_table  # noqa: E402
 
 STAGES = ("time/explore", "time/regenerate", "time/rollout", "time/update", "time/sync")
 
@@ -82,17 +90,25 @@ def main(argv=None) -> Path:
     ap.add_argument("runs", nargs="+", help="run directories; NAME=DIR to label one")
     ap.add_argument("--out", help="output directory (default: the first run's)")
     args = ap.parse_args(argv)
-    runs = {}
+    runs, groups = {}, {}
     for spec in args.runs:
-        name, sep, path = spec.partition("=")
-        path = path if sep else spec
-        runs[name if sep else Path(spec).name] = load_run(Path(path))
-    out = Path(args.out or (args.runs[0].partition("=")[2] or args.runs[0]))
+        name, sep, paths = spec.partition("=")
+        dirs = [Path(p) for p in (paths if sep else spec).split(",") if p]
+        name = name if sep else dirs[0].name
+        groups[name] = [load_run(d) for d in dirs]
+        for i, rows in enumerate(groups[name]):
+            runs[name if len(dirs) == 1 else f"{name}/{dirs[i].name}"] = rows
+    first = args.runs[0].partition("=")[2] or args.runs[0]
+    out = Path(args.out or first.split(",")[0])
     out.mkdir(parents=True, exist_ok=True)
     specs, main_key = build_panels(runs)
+    seeded = any(len(g) > 1 for g in groups.values())
+    if seeded:
+        specs = group_panels(groups) + specs
     panels(specs).save(out / "report.png")
-    (out / "summary.md").write_text(summary(runs, main_key))
-    print(summary(runs, main_key))
+    text = summary(runs, main_key) + (f"\n{methods_table(groups)}" if seeded else "")
+    (out / "summary.md").write_text(text)
+    print(text)
     print(f"wrote {out / 'report.png'} and {out / 'summary.md'}")
     return out
 

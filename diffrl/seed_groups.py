@@ -1,0 +1,112 @@
+"""Methods compared over seeds (``scripts/report.py NAME=DIR1,DIR2,DIR3``): each method is a
+group of runs that differ only in seed, and every evaluation figure is summarised across
+the group as a mean with its spread (sample standard deviation and min..max over seeds),
+next to the evaluation's own standard error (over prompts, averaged over seeds).
+
+Only evaluation steps present in every run of a group are aggregated, so a run stopped
+early never silently shortens another's curve.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+HELDOUT = "eval/shapeworld_strict/mean"
+TRAIN = "eval_train/shapeworld_strict/mean"
+DARKNESS = "eval/fidelity/background_darkness/mean"
+DIVERSITY = "eval/diversity"
+
+
+@dataclass
+class Spread:
+    mean: float
+    sd: float  # sample standard deviation over seeds (0 for one seed)
+    lo: float
+    hi: float
+    n: int
+
+    def text(self, digits: int = 3) -> str:
+        if self.n == 1:
+            return f"{self.mean:.{digits}f}"
+        return f"{self.mean:.{digits}f} ± {self.sd:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
+
+
+def spread(values: list[float]) -> Spread:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return Spread(statistics.fmean(values), sd, min(values), max(values), len(values))
+
+
+def eval_rows(rows: list[dict], key: str = HELDOUT) -> dict[int, dict]:
+    """Evaluation rows of one run by step (the last one wins if a step repeats)."""
+    return {r["step"]: r for r in rows if r.get(key) is not None}
+
+
+def common_steps(group: list[list[dict]], key: str = HELDOUT) -> list[int]:
+    steps = None
+    for rows in group:
+        mine = set(eval_rows(rows, key))
+        steps = mine if steps is None else steps & mine
+    return sorted(steps or [])
+
+
+def curve(group: list[list[dict]], key: str, x: str = "step", ratio_to_start: bool = False) -> list[tuple]:
+    """(x mean, Spread) per common evaluation step; ``ratio_to_start`` divides each run's
+    value by its own step-0 value (fidelity, diversity)."""
+    out = []
+    steps = common_steps(group)
+    for step in steps:
+        values, xs = [], []
+        for rows in group:
+            evals = eval_rows(rows)
+            value = evals[step].get(key)
+            if value is None:
+                break
+            if ratio_to_start:
+                start = evals[steps[0]].get(key)
+                value = value / start if start else float("nan")
+            values.append(value)
+            xs.append(evals[step].get(x, step))
+        else:
+            out.append((statistics.fmean(xs), spread(values)))
+    return out
+
+
+def methods_table(groups: dict[str, list[list[dict]]]) -> str:
+    """One Markdown row per method and evaluation step: held-out strict (mean ± sd over
+    seeds [min, max]), the evaluation's standard error, training strict, background
+    darkness and diversity as ratios to the method's own start, and wall minutes."""
+    lines = ["| method | seeds | iteration | minutes | held-out strict (mean ± sd [min, max] over seeds) | eval SE | "
+             "training strict | darkness x base | diversity x base |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, group in groups.items():
+        held = curve(group, HELDOUT)
+        se = dict(curve(group, HELDOUT.replace("/mean", "/se")))
+        cols = {TRAIN: dict(curve(group, TRAIN))}
+        ratios = {k: dict(curve(group, k, ratio_to_start=True)) for k in (DARKNESS, DIVERSITY)}
+        minutes = dict(curve(group, "wall_time"))
+        for step, value in held:
+            def cell(table, digits=3, suffix=""):
+                got = table.get(step)
+                return f"{got.mean:.{digits}f}{suffix}" if got else "-"
+
+            lines.append(f"| {name} | {len(group)} | {step:g} | {minutes[step].mean / 60:.1f} | {value.text()} | "
+                         f"{cell(se)} | {cell(cols[TRAIN])} | {cell(ratios[DARKNESS], 2, 'x')} | "
+                         f"{cell(ratios[DIVERSITY], 2, 'x')} |")
+    return "\n".join(lines) + "\n"
+
+
+def group_panels(groups: dict[str, list[list[dict]]]) -> list[tuple]:
+    """Plot specs (title, xlabel, series) of the seed means: held-out strict against
+    iteration and wall time, training strict, darkness and diversity against iteration."""
+    def means(key, x="step", ratio=False):
+        out = []
+        for name, group in groups.items():
+            points = curve(group, key, x, ratio)
+            out.append((f"{name} (x{len(group)})", [px for px, _ in points], [v.mean for _, v in points]))
+        return out
+
+    return [("held-out strict, mean over seeds", "step", means(HELDOUT)),
+            ("held-out strict vs wall time", "seconds", means(HELDOUT, "wall_time")),
+            ("training strict, mean over seeds", "step", means(TRAIN)),
+            ("background darkness x base", "step", means(DARKNESS, ratio=True)),
+            ("diversity x base", "step", means(DIVERSITY, ratio=True))]
