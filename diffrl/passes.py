@@ -67,6 +67,7 @@ def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int,
     mb, accum = cfg.train.micro_batch_size, cfg.train.gradient_accumulation
     order = torch.randperm(n, generator=rng.generator(cfg.seed, "shuffle", step, epoch)).tolist()
     batches = [order[i:i + mb] for i in range(0, n, mb)]
+    anchored = list(anchored)
     groups = []
     for start in range(0, len(batches), accum):
         chunk = list(enumerate(batches[start:start + accum]))
@@ -76,7 +77,7 @@ def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int,
         passes = [Pass(idx, t, (1, len(pairs))) for idx, t in pairs]
         if anchored:
             extra = [(idx, t) for j, idx in chunk
-                     for t in train_timesteps(list(anchored), cfg.objective.anchor_fraction, cfg.seed, "anchor", step,
+                     for t in train_timesteps(anchored, cfg.objective.anchor_fraction, cfg.seed, "anchor", step,
                                               epoch, start, j)]
             passes += [Pass(idx, t, (1, len(extra)), anchor=True) for idx, t in extra]
         groups.append(passes)

@@ -52,24 +52,25 @@ def common_steps(group: list[list[dict]], key: str = HELDOUT) -> list[int]:
 
 def curve(group: list[list[dict]], key: str, x: str = "step", ratio_to_start: bool = False) -> list[tuple]:
     """(x mean, Spread) per common evaluation step; ``ratio_to_start`` divides each run's
-    value by its own step-0 value (fidelity, diversity)."""
-    out = []
+    value by its value at the first common step (step 0: the base)."""
+    runs = [eval_rows(rows) for rows in group]
     steps = common_steps(group)
+    out = []
     for step in steps:
-        values, xs = [], []
-        for rows in group:
-            evals = eval_rows(rows)
-            value = evals[step].get(key)
-            if value is None:
-                break
-            if ratio_to_start:
-                start = evals[steps[0]].get(key)
-                value = value / start if start else float("nan")
-            values.append(value)
-            xs.append(evals[step].get(x, step))
-        else:
-            out.append((statistics.fmean(xs), spread(values)))
+        values = [evals[step].get(key) for evals in runs]
+        if any(v is None for v in values):
+            continue
+        if ratio_to_start:
+            starts = [evals[steps[0]].get(key) for evals in runs]
+            values = [v / s if s else float("nan") for v, s in zip(values, starts)]
+        xs = [evals[step].get(x, step) for evals in runs]
+        out.append((statistics.fmean(xs), spread(values)))
     return out
+
+
+def _mean_cell(points: dict, step, digits: int = 3, suffix: str = "") -> str:
+    got = points.get(step)
+    return f"{got.mean:.{digits}f}{suffix}" if got else "-"
 
 
 def methods_table(groups: dict[str, list[list[dict]]]) -> str:
@@ -79,19 +80,15 @@ def methods_table(groups: dict[str, list[list[dict]]]) -> str:
     lines = ["| method | seeds | iteration | minutes | held-out strict (mean ± sd [min, max] over seeds) | eval SE | "
              "training strict | darkness x base | diversity x base |", "|---|---|---|---|---|---|---|---|---|"]
     for name, group in groups.items():
-        held = curve(group, HELDOUT)
         se = dict(curve(group, HELDOUT.replace("/mean", "/se")))
-        cols = {TRAIN: dict(curve(group, TRAIN))}
-        ratios = {k: dict(curve(group, k, ratio_to_start=True)) for k in (DARKNESS, DIVERSITY)}
+        train = dict(curve(group, TRAIN))
+        darkness = dict(curve(group, DARKNESS, ratio_to_start=True))
+        diversity = dict(curve(group, DIVERSITY, ratio_to_start=True))
         minutes = dict(curve(group, "wall_time"))
-        for step, value in held:
-            def cell(table, digits=3, suffix=""):
-                got = table.get(step)
-                return f"{got.mean:.{digits}f}{suffix}" if got else "-"
-
+        for step, value in curve(group, HELDOUT):
             lines.append(f"| {name} | {len(group)} | {step:g} | {minutes[step].mean / 60:.1f} | {value.text()} | "
-                         f"{cell(se)} | {cell(cols[TRAIN])} | {cell(ratios[DARKNESS], 2, 'x')} | "
-                         f"{cell(ratios[DIVERSITY], 2, 'x')} |")
+                         f"{_mean_cell(se, step)} | {_mean_cell(train, step)} | "
+                         f"{_mean_cell(darkness, step, 2, 'x')} | {_mean_cell(diversity, step, 2, 'x')} |")
     return "\n".join(lines) + "\n"
 
 

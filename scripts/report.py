@@ -94,7 +94,11 @@ def main(argv=None) -> Path:
     for spec in args.runs:
         name, sep, paths = spec.partition("=")
         dirs = [Path(p) for p in (paths if sep else spec).split(",") if p]
+        if not dirs:
+            raise ReportError(f"'{spec}' names no run directory; write NAME=DIR or NAME=DIR1,DIR2,...")
         name = name if sep else dirs[0].name
+        if name in groups:
+            raise ReportError(f"two runs are named '{name}'; label them NAME=DIR so each name is used once")
         groups[name] = [load_run(d) for d in dirs]
         for i, rows in enumerate(groups[name]):
             runs[name if len(dirs) == 1 else f"{name}/{dirs[i].name}"] = rows

@@ -46,3 +46,14 @@ def test_report_groups_seeds_into_one_methods_table_and_plot(tmp_path):
     assert "| anchor/a0 |" in table  # each seed also keeps its own row in the run summary
     assert Image.open(out / "report.png").size[0] > 0
     assert methods_table({"x": [runs["a0"]]}).count("| x | 1 |") == 3
+
+
+@pytest.mark.parametrize("specs, message", [(["plain="], "names no run directory"),
+                                            (["x=A", "x=A"], "two runs are named 'x'")])
+def test_report_rejects_empty_and_repeated_method_names(tmp_path, specs, message):
+    (tmp_path / "A").mkdir()
+    (tmp_path / "A" / "metrics.jsonl").write_text(json.dumps(_rows([0.3], [1.0], steps=(0,))[0]) + "\n")
+    script = load_script("report")
+    specs = [s.replace("=A", f"={tmp_path / 'A'}") for s in specs]
+    with pytest.raises(script.ReportError, match=message):
+        script.main([*specs, "--out", str(tmp_path / "rep")])
