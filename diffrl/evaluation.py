@@ -15,6 +15,11 @@ square root of the number of prompts): the seeds of one prompt are correlated, s
 binomial sqrt(p (1 - p) / n) over all samples would understate it. ``eval/diversity`` is
 the mean pairwise RMS pixel distance between the samples of the same prompt (images
 downsampled to at most 64 px), so that mode collapse shows up next to the reward.
+
+A score that does not apply to a sample is NaN (the ShapeWorld verifier's per-kind
+breakdown, say): its mean and standard error leave those samples out, and
+``<prefix>/<name>/n`` counts the samples that were scored when that is fewer than all
+(a score that applies to none is not reported).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def standard_error(values: torch.Tensor, prompt_index: list[int]) -> float:
     """Standard error of the mean over prompts: std of the per-prompt means / sqrt(#prompts)
     (NaN with fewer than two prompts)."""
     index = torch.tensor(prompt_index)
+    scored = ~torch.isnan(values)
+    values, index = values[scored], index[scored]
     uniq, inverse = torch.unique(index, return_inverse=True)
     if len(uniq) < 2:
         return float("nan")
@@ -126,8 +133,14 @@ def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], c
     prompt_index = [k[1] for k in keys]
     out: dict[str, float] = {f"{prefix}/n": n}
     for j, name in enumerate(names):
-        out[f"{prefix}/{name}/mean"] = float(gathered[:, j].mean())
-        out[f"{prefix}/{name}/se"] = standard_error(gathered[:, j], prompt_index)
+        column = gathered[:, j]
+        scored = int((~torch.isnan(column)).sum())
+        if scored == 0:  # applies to none of these prompts: nothing to report
+            continue
+        out[f"{prefix}/{name}/mean"] = float(column.nanmean())
+        out[f"{prefix}/{name}/se"] = standard_error(column, prompt_index)
+        if scored < n:
+            out[f"{prefix}/{name}/n"] = scored
     thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
     out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
     return out

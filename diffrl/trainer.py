@@ -201,7 +201,9 @@ class Trainer:
                    "advantage/filtered_fraction": filtered, "rollout/nfe": nfe,
                    "rollout/nfe_per_leaf": nfe / len(all_total), **extra}
         for name, values in r["logs"].items():
-            metrics[f"reward/{name}/mean"] = self.gather(values).mean()
+            values = self.gather(values)
+            if not bool(torch.isnan(values).all()):  # NaN: the score does not apply to that sample
+                metrics[f"reward/{name}/mean"] = values.nanmean()
         if not bool(torch.isfinite(all_total).all()):
             self.counters.skipped_nonfinite_reward += 1
         else:

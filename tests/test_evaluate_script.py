@@ -26,6 +26,12 @@ def test_evaluating_a_checkpoint_reproduces_the_training_evaluation(tmp_path, ca
                 "eval_train/shapeworld_strict/mean", "eval/diversity", "eval/n"):
         assert scored[key] == logged[key], key
     assert "eval/fidelity/background_darkness/mean" in capsys.readouterr().out
+    # the per-kind breakdown partitions the samples and recombines to the strict accuracy
+    kinds = [k for k in ("count", "pair", "relation") if f"eval/shapeworld_kind/{k}/mean" in scored]
+    counts = [scored[f"eval/shapeworld_kind/{k}/n"] for k in kinds]
+    assert sum(counts) == scored["eval/n"] and len(kinds) == 3
+    recombined = sum(n * scored[f"eval/shapeworld_kind/{k}/mean"] for k, n in zip(kinds, counts)) / scored["eval/n"]
+    assert abs(recombined - scored["eval/shapeworld_strict/mean"]) < 1e-6
     base = tmp_path / "base.json"
     evaluate.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", "base", "--json", str(base),
                    *[a for o in overrides for a in ("--set", o)]])

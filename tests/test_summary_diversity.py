@@ -94,6 +94,9 @@ def test_standard_error_is_taken_over_per_prompt_means():
     want = math.sqrt(sum((m - mu) ** 2 for m in means) / 3) / math.sqrt(4)
     assert math.isclose(standard_error(values, prompt_index), want, rel_tol=1e-12)
     assert math.isnan(standard_error(values[:2], [0, 0]))
+    # NaN means "does not apply": the same as leaving those samples out
+    holes = torch.cat([values, torch.tensor([float("nan")] * 3)])
+    assert standard_error(holes, prompt_index + [0, 1, 7]) == standard_error(values, prompt_index)
 
 
 def test_spaced_subset_is_even_and_fixed():

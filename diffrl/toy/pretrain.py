@@ -6,6 +6,14 @@ MSE to v = eps - x0. The transformer predicts x0 and the velocity is derived fro
 (x-prediction with v-loss, Li & He 2025), see ``diffrl.models.toy.velocity_from_output``. Captions are dropped to "" with probability ``caption_dropout``
 so classifier-free guidance is available. The text encoder trains jointly from scratch.
 
+``caption_noise`` models noisy web captions: with that probability a caption's image shows
+a scene that violates one of its clauses (``shapeworld.corrupt``: a wrong count, colour or
+shape, a missing object or the opposite relation) while the text stays. The model then
+learns to draw the right scene only part of the time although it is able to draw it, the
+situation preference alignment is for (real text-to-image models follow prompts loosely
+because their captions do). ``init`` continues from a saved toy model instead of a random
+one (a fresh optimizer and warm-up).
+
 Everything random is keyed by (seed, step): batches are re-rendered from the seed, the
 learning rate is constant after warm-up and the EMA has no horizon, so a run stopped at
 step N equals a run with ``--steps N`` (on the same torch build and thread count).
@@ -26,7 +34,7 @@ from diffrl.models import tiny
 from diffrl.models.toy import ToyPipeline, build_components
 from diffrl.policy import EMA
 from diffrl.toy import grammar
-from diffrl.toy.shapeworld import render
+from diffrl.toy.shapeworld import corrupt, render
 
 
 @dataclass
@@ -46,6 +54,9 @@ class PretrainConfig:
     eval_prompts: int = 96
     eval_steps: int = 20
     snapshots: str | None = None  # directory for a copy of the EMA model at every eval
+    caption_noise: float = 0.0  # probability that an image violates one clause of its caption
+    init: str | None = None  # a saved toy model directory to continue from (None: random init)
+    sigma_location: float = 0.0  # m of the logit-normal(m, 1) sigma density; m > 0 favours high noise
 
 
 def batch_captions(prompts_by_kind: list[list[str]], rnd: random.Random, n: int, dropout: float):
@@ -57,15 +68,27 @@ def batch_captions(prompts_by_kind: list[list[str]], rnd: random.Random, n: int,
     return out
 
 
-def render_batch(captions: list[str], rnd: random.Random, resolution: int, grid: int | None) -> torch.Tensor:
-    images = np.stack([render(grammar.parse(c), rnd, resolution, grid) for c in captions])
+def scene_specs(captions: list[str], noise: float, rnd: random.Random) -> list[grammar.Spec]:
+    """What each image shows: its caption's spec, or with probability ``noise`` a spec that
+    violates one clause of it (a mismatched caption)."""
+    specs = [grammar.parse(c) for c in captions]
+    if noise <= 0:
+        return specs
+    return [corrupt(s, rnd) if rnd.random() < noise else s for s in specs]
+
+
+def render_batch(specs: list[grammar.Spec], rnd: random.Random, resolution: int, grid: int | None) -> torch.Tensor:
+    images = np.stack([render(s, rnd, resolution, grid) for s in specs])
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def flow_matching_loss(pipe: ToyPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator):
-    """MSE between predicted and true velocity at logit-normal(0, 1) sigmas."""
+def flow_matching_loss(pipe: ToyPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator,
+                       location: float = 0.0):
+    """MSE between predicted and true velocity at logit-normal(location, 1) sigmas (SD3,
+    Esser et al. 2024, Sec. 3.1: a positive location puts more training on high noise,
+    where layout is decided)."""
     b = x0.shape[0]
-    sigma = torch.sigmoid(torch.randn(b, generator=gen))
+    sigma = torch.sigmoid(torch.randn(b, generator=gen) + location)
     noise = torch.randn(x0.shape, generator=gen)
     s = sigma.view(b, 1, 1, 1)
     x_t = (1 - s) * x0 + s * noise
@@ -100,8 +123,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     _validate(cfg)
     train, _ = grammar.split()
     by_kind = [[p for p in train if grammar.parse(p).kind == k] for k in grammar.KINDS]
-    with tiny.seeded(cfg.seed):
-        pipe = ToyPipeline(**build_components(resolution=cfg.resolution), prediction=cfg.prediction)
+    pipe = _initial_pipeline(cfg)
     modules = [pipe.transformer, pipe.text_encoder]
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -112,10 +134,12 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
         rnd = random.Random(f"{cfg.seed}-{step}")
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         pairs = batch_captions(by_kind, rnd, cfg.batch_size, cfg.caption_dropout)
-        x0 = render_batch([c for c, _ in pairs], rnd, cfg.resolution, cfg.grid or None)
+        # its own stream, so that caption_noise = 0 draws exactly the batches it always did
+        specs = scene_specs([c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
+        x0 = render_batch(specs, rnd, cfg.resolution, cfg.grid or None)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, step / cfg.warmup)
-        loss = flow_matching_loss(pipe, x0, [c for _, c in pairs], gen)
+        loss = flow_matching_loss(pipe, x0, [c for _, c in pairs], gen, cfg.sigma_location)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -137,6 +161,18 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     return summary
 
 
+def _initial_pipeline(cfg: PretrainConfig) -> ToyPipeline:
+    if cfg.init is None:
+        with tiny.seeded(cfg.seed):
+            return ToyPipeline(**build_components(resolution=cfg.resolution), prediction=cfg.prediction)
+    pipe = ToyPipeline.from_pretrained(cfg.init)
+    size = pipe.transformer.config.sample_size
+    if size != cfg.resolution or pipe.config.prediction != cfg.prediction:
+        raise ValueError(f"--init '{cfg.init}' is a {size} px, {pipe.config.prediction}-prediction model; pass "
+                         f"--resolution {size} --prediction {pipe.config.prediction}")
+    return pipe
+
+
 def _validate(cfg: PretrainConfig) -> None:
     patch = 8  # build_components' default patch size
     if cfg.resolution % patch or cfg.resolution < 2 * patch:
@@ -145,6 +181,10 @@ def _validate(cfg: PretrainConfig) -> None:
         raise ValueError(f"--grid must be 0 (free layout) or 4..{cfg.resolution // 2} pixels, got {cfg.grid}")
     if cfg.prediction not in ("x0", "velocity"):
         raise ValueError(f"--prediction must be 'x0' or 'velocity', got '{cfg.prediction}'")
+    if not 0.0 <= cfg.caption_noise < 1.0:
+        raise ValueError(f"--caption-noise must be in [0, 1), got {cfg.caption_noise}")
+    if cfg.init is not None and not (Path(cfg.init) / "model_index.json").is_file():
+        raise ValueError(f"--init '{cfg.init}' is not a saved toy model (no model_index.json there)")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:
         raise ValueError("--steps, --batch-size and --eval-every must be positive")
 

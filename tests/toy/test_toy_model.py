@@ -117,6 +117,46 @@ def test_pretraining_is_reproducible_and_stopping_early_equals_a_shorter_run(tmp
     assert any(not torch.equal(short[k], longer[k]) for k in short)
 
 
+def test_caption_noise_corrupts_that_share_of_scenes_and_each_violates_its_caption():
+    import random
+
+    from diffrl.toy import grammar
+    from diffrl.toy.pretrain import scene_specs
+    from diffrl.toy.shapeworld import render
+    from rewards.shapeworld import detect, verify
+
+    captions, _ = grammar.split()
+    captions = captions[:400]
+    assert scene_specs(captions, 0.0, random.Random(0)) == [grammar.parse(c) for c in captions]
+    specs = scene_specs(captions, 0.3, random.Random(0))
+    changed = [(c, s) for c, s in zip(captions, specs) if s != grammar.parse(c)]
+    assert abs(len(changed) / len(captions) - 0.3) < 0.07  # binomial sd 0.023
+    # the verifier (an independent reader of the pixels) fails every corrupted scene
+    # against its caption, and passes the caption's own scene
+    rnd = random.Random(1)
+    images = [render(s, rnd) for _, s in changed[:40]] + [render(grammar.parse(c), rnd) for c, _ in changed[:40]]
+    pixels = torch.from_numpy(__import__("numpy").stack(images)).permute(0, 3, 1, 2).float() / 255
+    verdicts = [verify(c, d).strict for (c, _), d in zip(changed[:40] * 2, detect(pixels))]
+    assert verdicts[:40] == [0.0] * 40 and verdicts[40:] == [1.0] * 40
+
+
+def test_pretraining_continues_from_init_and_noise_changes_only_the_scenes(tmp_path):
+    from diffrl.toy.pretrain import PretrainConfig, pretrain
+
+    def run(name, **kw):
+        cfg = PretrainConfig(out=str(tmp_path / name), steps=1, batch_size=4, eval_every=1, eval_prompts=2,
+                             eval_steps=2, **kw)
+        pretrain(cfg, log=lambda *_: None)
+        return ToyPipeline.from_pretrained(tmp_path / name).transformer.state_dict()
+
+    first = run("a")
+    # one step from 'a' is a different model from two steps from scratch but starts at 'a':
+    # with lr 0 it stays there exactly
+    from_a = run("b", init=str(tmp_path / "a"), lr=0.0)
+    assert all(torch.equal(first[k], from_a[k]) for k in first)
+    noisy = run("c", caption_noise=0.9)
+    assert any(not torch.equal(first[k], noisy[k]) for k in first)
+
 
 def test_pretrain_script_rejects_bad_arguments_in_one_line(capsys):
     import importlib.util
@@ -130,3 +170,7 @@ def test_pretrain_script_rejects_bad_arguments_in_one_line(capsys):
     assert capsys.readouterr().err.startswith("error: --resolution must be a multiple of 8")
     assert script.main(["--prediction", "eps"]) == 2
     assert "--prediction must be 'x0' or 'velocity'" in capsys.readouterr().err
+    assert script.main(["--caption-noise", "1.5"]) == 2
+    assert "--caption-noise must be in [0, 1)" in capsys.readouterr().err
+    assert script.main(["--init", "/nonexistent/model"]) == 2
+    assert "is not a saved toy model" in capsys.readouterr().err

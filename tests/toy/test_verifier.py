@@ -54,6 +54,31 @@ def test_partial_and_strict_follow_the_clauses():
     assert meta["shapeworld"][2].clauses[1]["found"] == 0
 
 
+def test_breakdown_separates_kinds_objects_and_the_relation_and_is_nan_where_it_does_not_apply():
+    relation = "a red circle to the left of a blue square"
+    red_left, blue_right = Placed("red", "circle", 2, 10, 10), Placed("blue", "square", 20, 10, 10)
+    red_right, blue_left = Placed("red", "circle", 20, 10, 10), Placed("blue", "square", 2, 10, 10)
+    images = [draw([red_left, blue_right]), draw([red_right, blue_left]), draw([red_left]),
+              draw([Placed("green", "triangle", 4, 4, 8)])]
+    out = ShapeWorldVerifier()(_batch(images), [relation] * 3 + ["a green triangle"])
+    nan = float("nan")
+
+    def same(key, want):
+        got = out[key].tolist()
+        assert len(got) == len(want) and all((g != g and w != w) or g == w for g, w in zip(got, want)), (key, got)
+
+    same("shapeworld_kind/relation", [1.0, 0.0, 0.0, nan])
+    same("shapeworld_kind/count", [nan, nan, nan, 1.0])
+    same("shapeworld_kind/pair", [nan] * 4)
+    same("shapeworld_clause/objects", [1.0, 1.0, 0.0, 1.0])
+    # the swapped image has the right objects in the wrong places; the one-object image
+    # has no right objects, so the relation is not asked of it
+    same("shapeworld_clause/relation_given_objects", [1.0, 0.0, nan, nan])
+    # each per-kind column is strict accuracy restricted to that kind
+    for kind, rows in (("relation", [0, 1, 2]), ("count", [3])):
+        assert out[f"shapeworld_kind/{kind}"][rows].tolist() == out["shapeworld_strict"][rows].tolist()
+
+
 def test_count_clause_is_exact():
     prompt = "two green triangles"
     objs = [Placed("green", "triangle", x, 4, 8) for x in (1, 12, 23)]
