@@ -15,6 +15,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diffrl.compare import CompareError
     from diffrl.data import PromptFileError
     from diffrl.models.base import ModelLoadError
+    from diffrl.watchdog import TrainingStalledError
     from rewards import UnknownRewardError
     from rewards.clip_common import MissingRewardWeightsError
     from rewards.combine import RewardPromptError
@@ -23,7 +24,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError,
             RewardPromptError, MissingRewardWeightsError, ImageRewardFilesMissing, ImageRewardCheckpointError,
-            CompareError)
+            CompareError, TrainingStalledError)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -215,6 +215,9 @@ class TrainConfig:
     num_inner_epochs: int = _f(1, "Passes over each iteration's samples.")
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "Autocast precision for forward passes.")
     ema_decay: float = _f(0.0, "EMA decay of trainable weights used for evaluation; 0 disables.")
+    max_skipped_iterations: int = _f(
+        5, "Stop (non-zero exit) after this many iterations in a row that applied no update because of "
+           "non-finite rewards or losses; 0 never stops.")
 
 
 @dataclass

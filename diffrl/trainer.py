@@ -21,6 +21,7 @@ from diffrl.algorithms import compute_advantages, get_objective
 from diffrl.algorithms.solrl import SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
+from diffrl.watchdog import check_stalled, no_update_message
 from diffrl.data import load_prompts, plan_step
 from diffrl.evaluation import evaluate, spaced_subset
 from diffrl.metrics import MetricsLogger, StageClock
@@ -147,7 +148,7 @@ class Trainer:
                                  self.cfg.advantage.filter_zero_std, self.gather(comps), self.reward_fn.weights)
         n, rank = len(total), self.acc.process_index
         sl = slice(rank * n, (rank + 1) * n)
-        return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction
+        return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction, adv.dropped_groups
 
     def tree_advantages(self, traj, total, comps, step: int):
         """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""
@@ -156,7 +157,8 @@ class Trainer:
         counts = self.gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
         # all processes; edges left after pruning, before objective.timestep_fraction subsamples them
         stats = {"tree/edges_after_pruning": int(counts[0]), "tree/edges": int(counts[1])}
-        return self.gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.train, stats
+        return (self.gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.dropped_groups,
+                credit.train, stats)
 
     def across_processes(self, local: dict) -> dict:
         """Per-process stage metrics over all processes: NFE and sync counts are summed,
@@ -192,19 +194,25 @@ class Trainer:
         traj, cond, total, comps = r["traj"], r["cond"], r["total"], r["comps"]
         train, extra = None, self.across_processes(r["extra"])
         if isinstance(traj, TreeTrajectory):
-            all_total, adv, keep, filtered, train, stats = self.tree_advantages(traj, total, comps, step)
+            all_total, adv, keep, filtered, dropped, train, stats = self.tree_advantages(traj, total, comps, step)
             extra.update(stats)
         else:
-            all_total, adv, keep, filtered = self.advantages(r["groups"], total, comps)
+            all_total, adv, keep, filtered, dropped = self.advantages(r["groups"], total, comps)
         nfe = int(self.gather(torch.tensor([r["nfe"]])).sum())  # all processes
-        metrics = {"reward/mean": all_total.mean(), "reward/std": all_total.std(unbiased=False),
+        finite = all_total[torch.isfinite(all_total)]
+        none = torch.tensor(float("nan"))  # logged as null: no finite reward this iteration
+        metrics = {"reward/mean": finite.mean() if len(finite) else none,
+                   "reward/std": finite.std(unbiased=False) if len(finite) else none,
+                   "reward/nonfinite_samples": len(all_total) - len(finite), "advantage/dropped_groups": dropped,
                    "advantage/filtered_fraction": filtered, "rollout/nfe": nfe,
                    "rollout/nfe_per_leaf": nfe / len(all_total), **extra}
         for name, values in r["logs"].items():
             values = self.gather(values)
             if not bool(torch.isnan(values).all()):  # NaN: the score does not apply to that sample
                 metrics[f"reward/{name}/mean"] = values.nanmean()
-        if not bool(torch.isfinite(all_total).all()):
+        # groups with a non-finite reward were dropped (advantages); train on the rest,
+        # unless nothing is left
+        if dropped and not bool(self.gather(keep.float()).sum() > 0):
             self.counters.skipped_nonfinite_reward += 1
         else:
             clock = StageClock(self.acc.device)
@@ -254,8 +262,10 @@ class Trainer:
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (cfg.logging.progress_bar and self.acc.is_local_main_process),
                    desc="train")
         while self.step < cfg.train.max_steps:
+            before = (self.counters.optimizer_steps, self.counters.skipped_nonfinite_loss)
             metrics = self.train_step(self.step)
             self.step += 1
+            self._watch_updates(metrics, before)
             last = self.step == cfg.train.max_steps
             if cfg.eval.every and (self.step % cfg.eval.every == 0 or last):
                 metrics.update(self.evaluate())
@@ -269,6 +279,18 @@ class Trainer:
         self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
         self.acc.end_training()
         return history
+
+    def _watch_updates(self, metrics: dict, before: tuple[int, int]) -> None:
+        """Say so when an iteration applied no update; stop after too many in a row."""
+        c = self.counters
+        if c.optimizer_steps > before[0]:
+            c.iterations_without_update = 0
+            return
+        c.iterations_without_update += 1
+        self.acc.print(no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
+        found = ckpt.list_checkpoints(self.cfg.run_dir)
+        check_stalled(c.iterations_without_update, self.cfg.train.max_skipped_iterations,
+                      str(found[-1][1]) if found else None)
 
     def headline_metrics(self) -> tuple[str, ...]:
         """Listed first in the summary: a verifier's strict score (``<reward>_strict``, as

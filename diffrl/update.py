@@ -31,6 +31,7 @@ class UpdateCounters:
     optimizer_steps: int = 0
     skipped_nonfinite_loss: int = 0
     skipped_nonfinite_reward: int = 0
+    iterations_without_update: int = 0  # in a row, up to the last iteration (diffrl.watchdog)
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)

@@ -33,3 +33,23 @@ def fit_until_killed(trainer, at_step: int) -> None:
     trainer.train_step = dies
     with pytest.raises(Killed):
         trainer.fit()
+
+
+class NanEvery:
+    """A reward (registered by tests as ``nan_every``): JPEG size in kB, except NaN for
+    every ``every``-th sample of each call (all of them with ``every=1``), as a reward
+    model that breaks on some inputs does."""
+
+    name = "nan_every"
+
+    def __init__(self, every: int = 4):
+        self.every = int(every)
+
+    def __call__(self, images, prompts=None, metadata=None):
+        import torch
+
+        from rewards.jpeg import jpeg_size_kb
+
+        size = jpeg_size_kb(images)
+        size[torch.arange(len(size)) % self.every == 0] = float("nan")
+        return {self.name: size}

@@ -87,20 +87,52 @@ def test_nonfinite_loss_skips_the_step_and_counts(tiny_cfg, monkeypatch):
     assert all(torch.equal(before[n], after[n]) for n in before), "a non-finite step was applied"
 
 
-def test_nonfinite_reward_skips_update(tiny_cfg):
-    trainer = Trainer(tiny_cfg("flux", "train.max_steps=1"))
-    real = trainer.reward_fn
+@pytest.fixture
+def nan_reward():
+    import rewards
 
-    class NanReward:
-        weights = real.weights
+    rewards.register("nan_every", "tests.helpers:NanEvery")
+    yield
+    rewards._REGISTRY.pop("nan_every")
 
-        def __call__(self, images, prompts, metadata=None):
-            total, comps, logs = real(images, prompts, metadata)
-            return total * float("nan"), comps, logs
 
-    trainer.reward_fn = NanReward()
-    history = trainer.fit()
-    assert history[-1]["skipped/nonfinite_reward"] == 1 and history[-1]["optimizer_steps"] == 0
+def test_a_nan_reward_drops_its_group_and_trains_on_the_rest(tiny_cfg, nan_reward):
+    # 2 prompts x group 4 per iteration (tiny config): NaN on sample 0 of each reward call
+    # poisons group 0 only
+    trainer = Trainer(tiny_cfg("flux", "train.max_steps=1", "rewards=[{name: nan_every, args: {every: 8}}]",
+                               "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.batch_size=8"))
+    before = _params(trainer)
+    logged = trainer.fit()[-1]
+    assert logged["reward/nonfinite_samples"] == 1 and logged["advantage/dropped_groups"] == 1
+    assert logged["optimizer_steps"] > 0 and logged["skipped/nonfinite_reward"] == 0
+    assert logged["reward/mean"] is not None  # the finite rewards' mean, not NaN (null in JSON)
+    after = _params(trainer)
+    assert any(not torch.equal(before[n], after[n]) for n in before), "the clean group did not train"
+
+
+def test_iterations_with_only_nan_rewards_are_said_and_stop_the_run(tiny_cfg, nan_reward, capsys):
+    from diffrl.watchdog import TrainingStalledError
+
+    trainer = Trainer(tiny_cfg("flux", "train.max_steps=5", "train.max_skipped_iterations=2",
+                               "rewards=[{name: nan_every, args: {every: 1}}]"))
+    before = _params(trainer)
+    with pytest.raises(TrainingStalledError, match=r"2 iteration\(s\) in a row applied no update.*no checkpoint"):
+        trainer.fit()
+    out = capsys.readouterr().out
+    assert "warning: iteration 1 applied no update" in out and "non-finite reward(s)" in out
+    assert trainer.step == 2 and trainer.counters.skipped_nonfinite_reward == 2
+    after = _params(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_cli_ends_a_nan_stalled_run_with_one_line_and_exit_code_2(tiny_cfg, nan_reward, tmp_path, capsys):
+    from diffrl.cli import main
+
+    code = main(["--config", "tiny_flux_flowgrpo", "--set", f"output_dir={tmp_path / 'r'}", "--set", "train.max_steps=3",
+                 "--set", "train.max_skipped_iterations=1", "--set", "eval.every=0", "--set", "logging.progress_bar=false",
+                 "--set", "rewards=[{name: nan_every, args: {every: 1}}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: stopped: 1 iteration(s) in a row") and "Traceback" not in err
 
 
 def test_evaluation_keys_and_fixed_seeds(tiny_cfg):

@@ -140,3 +140,20 @@ def test_tree_run_resumes_to_the_same_weights(tmp_path):
     assert any(not torch.equal(a[n], fresh[n]) for n in a)  # the runs did train
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_a_nan_leaf_reward_drops_its_whole_tree_and_leaves_the_others_as_they_were(tmp_path):
+    trainer = Trainer(_cfg("tiny_flux_branchgrpo", tmp_path))
+    _, traj, total, comps = _rollout(trainer)
+    clean = tree_credit(traj, total, comps, trainer.cfg, 0)
+    poisoned_total = total.clone()
+    leaves = traj.leaf_nodes()
+    poisoned_total[0] = float("nan")  # the first leaf, in tree 0
+    credit = tree_credit(traj, poisoned_total, comps, trainer.cfg, 0)
+    bad_tree = traj.tree == traj.tree[leaves[0]]
+    assert traj.num_trees > 1 and credit.dropped_groups > 0
+    assert not bool(credit.keep[bad_tree].any()) and torch.equal(credit.advantages[bad_tree], torch.zeros(int(bad_tree.sum())))
+    # the group estimator normalises per (tree, depth): the other trees are untouched
+    assert trainer.cfg.advantage.estimator == "group"
+    assert torch.equal(credit.advantages[~bad_tree], clean.advantages[~bad_tree])
+    assert torch.equal(credit.keep[~bad_tree], clean.keep[~bad_tree])

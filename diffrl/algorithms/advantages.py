@@ -13,6 +13,12 @@ group split across ranks is normalised over the whole group. Stds are population
 
 Groups whose combined reward has zero variance carry no signal; with
 ``filter_zero_std`` they are masked out, and the fraction filtered is reported.
+
+A group with a non-finite reward (NaN or inf in the combined reward or any component)
+is dropped whole: its members get advantage 0 and ``keep`` False, and the estimator runs
+on the other groups exactly as if the dropped ones had not been sampled (a NaN would
+otherwise poison its group's mean and std, and with ``global_std`` / ``decoupled`` the
+whole batch). ``dropped_groups`` / ``dropped_samples`` count them.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class Advantages:
     values: torch.Tensor  # (N,) advantage per sample
     keep: torch.Tensor  # (N,) bool: sample contributes to the loss
     filtered_fraction: float  # fraction of groups dropped for zero variance
+    dropped_groups: int = 0  # groups left out for a non-finite reward
+    dropped_samples: int = 0  # their members
 
 
 def _group_stat(values: torch.Tensor, group_ids: torch.Tensor, fn) -> torch.Tensor:
@@ -68,6 +76,11 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator
     """
     r = rewards.double()
     group_ids = torch.as_tensor(group_ids)
+    finite = torch.isfinite(r)
+    if components is not None:
+        finite &= torch.isfinite(components.double()).all(dim=1)
+    if not bool(finite.all()):
+        return _without_nonfinite_groups(r, group_ids, finite, estimator, eps, filter_zero_std, components, weights)
     if estimator == "group":
         adv = _group_normalise(r, group_ids, eps)
     elif estimator == "global_std":
@@ -95,3 +108,16 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator
         keep &= ~zero_var
         adv = torch.where(zero_var, torch.zeros_like(adv), adv)
     return Advantages(adv.float(), keep, n_zero / max(n_groups, 1))
+
+
+def _without_nonfinite_groups(r, group_ids, finite, estimator, eps, filter_zero_std, components, weights) -> Advantages:
+    bad = torch.unique(group_ids[~finite])
+    clean = ~torch.isin(group_ids, bad)
+    values = torch.zeros(len(r))
+    keep = torch.zeros(len(r), dtype=torch.bool)
+    filtered = 0.0
+    if bool(clean.any()):
+        sub = compute_advantages(r[clean], group_ids[clean], estimator, eps, filter_zero_std,
+                                 None if components is None else components[clean], weights)
+        values[clean], keep[clean], filtered = sub.values, sub.keep, sub.filtered_fraction
+    return Advantages(values, keep, filtered, dropped_groups=len(bad), dropped_samples=int((~clean).sum()))

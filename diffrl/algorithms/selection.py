@@ -14,6 +14,10 @@ the pool's order.
   is tried and the first best is kept.
 * ``random``: a uniformly random k-subset keyed by (seed, iteration, prompt): the
   ablation control that shows what selection itself buys.
+
+A candidate whose exploration reward is not finite (a reward model's NaN) ranks as its
+row's finite median, so the extreme-seeking rules take it last rather than first (a
+descending sort puts NaN on top); its regenerated sample is scored again in any case.
 """
 
 from __future__ import annotations
@@ -57,6 +61,14 @@ def _random(rewards: torch.Tensor, k: int, key: tuple) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _median_for_nonfinite(values: torch.Tensor) -> torch.Tensor:
+    finite = torch.isfinite(values)
+    if bool(finite.all()):
+        return values
+    median = torch.where(finite, values, torch.nan).nanmedian(dim=1, keepdim=True).values.nan_to_num(0.0)
+    return torch.where(finite, values, median.expand_as(values))
+
+
 def select_subset(rewards: torch.Tensor, k: int, mode: str, key: tuple = (0,)) -> torch.Tensor:
     """(G, k) ascending pool indices per row of ``rewards`` (G, N); ``key`` seeds ``random``
     (the caller passes (seed, iteration, first prompt index))."""
@@ -65,7 +77,7 @@ def select_subset(rewards: torch.Tensor, k: int, mode: str, key: tuple = (0,)) -
     g, n = rewards.shape
     if not 1 <= k <= n:
         raise ValueError(f"cannot select {k} of {n} pool candidates per prompt")
-    values = rewards.detach().double().cpu()
+    values = _median_for_nonfinite(rewards.detach().double().cpu())
     if mode == "best_worst":
         chosen = _best_worst(values, k)
     elif mode == "max_variance":

@@ -159,6 +159,7 @@ class TreeCredit:
     train: torch.Tensor  # (N,) bool: edge is forwarded and backpropagated
     node_rewards: torch.Tensor  # (N,) fused combined reward
     filtered_fraction: float
+    dropped_groups: int = 0  # (tree, depth) groups left out for a non-finite reward
 
 
 def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=None, gather=None,
@@ -176,6 +177,8 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
     owner = torch.full((n,), rank)
     if gather is not None:  # blocks may differ in length (sub-trees): find ours by owner
         fused, groups, owner = gather(fused), gather(groups), gather(owner)
+    # a non-finite leaf reward makes every ancestor's fused value non-finite, so
+    # compute_advantages drops each (tree, depth) group on its path: the whole tree.
     # roots have no incoming edge, and single-node depths (the trunk) always get 0: leave
     # both out, or they would pull down the batch std of decoupled / global estimators
     informative = multi_node(groups)
@@ -187,7 +190,7 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
     sl = owner.cpu() == rank
     train = trained_edges(tree, tcfg, iteration, leaf_total.cpu())
     filtered = _zero_variance_share(fused[:, 0], groups)
-    return TreeCredit(full_adv[sl], full_keep[sl], train, fused[sl, 0].float(), filtered)
+    return TreeCredit(full_adv[sl], full_keep[sl], train, fused[sl, 0].float(), filtered, adv.dropped_groups)
 
 
 def _zero_variance_share(values: torch.Tensor, groups: torch.Tensor) -> float:

@@ -67,3 +67,27 @@ def test_zero_variance_groups_filtered_and_counted():
 def test_unknown_estimator_lists_valid():
     with pytest.raises(ValueError, match="group, global_std, median, decoupled"):
         compute_advantages(torch.ones(2), torch.zeros(2), "mean")
+
+
+@pytest.mark.parametrize("estimator", ["group", "global_std", "median", "decoupled"])
+def test_a_group_with_a_nonfinite_reward_is_dropped_and_the_rest_is_as_if_it_was_never_sampled(estimator):
+    torch.manual_seed(0)
+    rewards = torch.rand(12)
+    comps = torch.stack([rewards, torch.rand(12)], 1)
+    groups = torch.arange(12) // 4  # three groups of four
+    weights = torch.tensor([1.0, 0.5])
+    poisoned, poisoned_comps = rewards.clone(), comps.clone()
+    poisoned[5] = float("nan")  # group 1
+    poisoned_comps[9, 1] = float("inf")  # group 2, through a component only
+    out = compute_advantages(poisoned, groups, estimator, components=poisoned_comps, weights=weights)
+    clean = groups == 0
+    alone = compute_advantages(rewards[clean], groups[clean], estimator, components=comps[clean], weights=weights)
+    assert out.dropped_groups == 2 and out.dropped_samples == 8
+    assert torch.equal(out.values[clean], alone.values) and torch.equal(out.keep[clean], alone.keep)
+    assert torch.equal(out.values[~clean], torch.zeros(8)) and not bool(out.keep[~clean].any())
+    assert bool(torch.isfinite(out.values).all())
+
+
+def test_when_every_group_has_a_nonfinite_reward_nothing_is_kept():
+    out = compute_advantages(torch.tensor([float("nan"), 1.0, float("nan"), 0.0]), torch.tensor([0, 0, 1, 1]))
+    assert out.dropped_groups == 2 and not bool(out.keep.any()) and torch.equal(out.values, torch.zeros(4))

@@ -127,3 +127,13 @@ def test_rank_agreement_averages_rows_and_skips_constant_ones():
     out = rank_agreement(low, high)
     assert out["kendall_tau"] == pytest.approx((4 / 6 - 1) / 2)
     assert out["spearman_rho"] == pytest.approx((0.8 - 1) / 2)
+
+
+@pytest.mark.parametrize("mode", ["best_worst", "max_variance"])
+def test_a_nonfinite_exploration_reward_is_taken_last_not_first(mode):
+    rewards = torch.tensor([[0.1, float("nan"), 0.9, 0.5, 0.3, float("inf"), 0.7, 0.2]])
+    chosen = select_subset(rewards, 4, mode)[0].tolist()
+    assert 1 not in chosen and 5 not in chosen
+    finite = rewards.clone()
+    finite[0, 1] = finite[0, 5] = 0.4  # the finite median of the row: same choice
+    assert select_subset(finite, 4, mode)[0].tolist() == chosen

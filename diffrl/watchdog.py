@@ -1,0 +1,38 @@
+"""Iterations that train nothing: said on the console, counted, and a stop after too many.
+
+An iteration trains nothing when it applies no optimizer step: every group had a
+non-finite reward, or every step's loss was non-finite (both are skipped, never applied).
+One such iteration is a warning; ``train.max_skipped_iterations`` of them in a row end
+the run with :class:`TrainingStalledError` (exit code 2), because a run that goes on
+would only burn compute and exit 0 having learned nothing.
+"""
+
+from __future__ import annotations
+
+
+class TrainingStalledError(RuntimeError):
+    """Too many iterations in a row applied no update."""
+
+
+def no_update_message(step: int, metrics: dict, losses_skipped: int) -> str:
+    """One console line saying why iteration ``step`` (1-based) trained nothing."""
+    rewards = int(metrics.get("reward/nonfinite_samples", 0))
+    groups = int(metrics.get("advantage/dropped_groups", 0))
+    reasons = []
+    if rewards:
+        reasons.append(f"{rewards} non-finite reward(s), {groups} group(s) dropped")
+    if losses_skipped:
+        reasons.append(f"{losses_skipped} optimizer step(s) skipped for a non-finite loss or gradient")
+    why = "; ".join(reasons) or "no sample was left to train on"
+    return f"warning: iteration {step} applied no update ({why})"
+
+
+def check_stalled(in_a_row: int, limit: int, last_checkpoint: str | None) -> None:
+    """Raise once ``in_a_row`` iterations without an update reach ``limit`` (0: never)."""
+    if limit <= 0 or in_a_row < limit:
+        return
+    where = f"the last checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved"
+    raise TrainingStalledError(
+        f"stopped: {in_a_row} iteration(s) in a row applied no update (non-finite rewards or losses; see "
+        f"reward/nonfinite_samples and skipped/nonfinite_loss in metrics.jsonl); {where}. Check the reward "
+        "model on these prompts, or lower optim.lr; train.max_skipped_iterations sets the limit (0: never stop)")
