@@ -6,9 +6,13 @@
   * ``trainable.safetensors``: the exact fp32 trainable tensors, for bit-exact resume;
   * accelerate's optimizer, LR schedule, per-process RNG states and registered objects
     (EMA, trainer counters);
-  * ``config.yaml`` (resolved) and ``meta.json`` (step, library version, time).
+  * ``config.yaml`` (resolved) and ``meta.json`` (step, library version, time, and the
+    size of every other file).
 Everything is written into ``.tmp-step-N`` first and renamed into place, so a run killed
-mid-save never leaves a half checkpoint that ``--resume latest`` would pick up.
+mid-save never leaves a half checkpoint that ``--resume latest`` would pick up. Damage
+after the fact (a deleted optimizer.bin, a truncated copy, an empty directory) is found
+by :func:`checkpoint_problem` against that list: ``--resume latest`` skips such a
+checkpoint, says why, and takes the newest complete one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import diffrl
 from diffrl.config import save_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# what every checkpoint holds; checked by name when meta.json predates its file list
+REQUIRED = ("trainable.safetensors", "optimizer.bin", "random_states_0.pkl")
 
 
 class CheckpointError(RuntimeError):
@@ -43,19 +49,71 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_resume(spec: str, run_dir: Path) -> Path:
-    """``latest`` -> newest complete checkpoint of the run; otherwise a checkpoint path."""
-    if spec == "latest":
-        found = list_checkpoints(run_dir)
-        if not found:
-            raise CheckpointError(f"--resume latest: no checkpoints under {checkpoint_root(run_dir)}; "
-                                  "run without --resume to start fresh, or pass a checkpoint directory")
-        return found[-1][1]
-    path = Path(spec)
+def resolve_resume(spec: str, run_dir: Path, log=print) -> Path:
+    """``latest`` -> the newest *complete* checkpoint of the run (each damaged newer one is
+    skipped with a note saying why); otherwise a checkpoint path, which must be complete."""
+    if spec != "latest":
+        path = Path(spec)
+        problem = checkpoint_problem(path)
+        if problem:
+            raise CheckpointError(f"--resume {spec}: {problem}; pass a complete checkpoint directory such as "
+                                  f"{checkpoint_root(run_dir)}/step-N, or --resume latest")
+        return path
+    found = list_checkpoints(run_dir)
+    for _, path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log(f"note: --resume latest skips {path}: {problem}")
+    what = "no complete checkpoint" if found else "no checkpoints"
+    raise CheckpointError(f"--resume latest: {what} under {checkpoint_root(run_dir)}; start over with --overwrite, "
+                          "or pass a checkpoint directory")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None if it is."""
+    path = Path(path)
+    if not path.is_dir():
+        return "not a directory"
+    if not any(path.iterdir()):
+        return "the directory is empty"
     if not (path / "meta.json").is_file():
-        raise CheckpointError(f"--resume {spec}: not a diffrl checkpoint directory (no meta.json); "
-                              f"expected e.g. {checkpoint_root(run_dir)}/step-N")
-    return path
+        return "no meta.json (not a diffrl checkpoint, or its save was interrupted)"
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        int(meta["step"])
+    except (ValueError, KeyError, TypeError):
+        return "meta.json is damaged (not JSON with a 'step')"
+    files = meta.get("files") or {name: None for name in REQUIRED}
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if size is not None and f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} when it was saved (truncated or replaced)"
+    return safetensors_problem(path / "trainable.safetensors")
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Check a .safetensors file against its format: an 8-byte little-endian header length,
+    a JSON header of tensor byte ranges, then exactly the bytes those ranges cover."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{path.name} is truncated (no header)"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"{path.name} is truncated (its header says {n} bytes, {size - 8} follow)"
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            return f"{path.name} has a damaged header"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        return f"{path.name} has {size} bytes where its header needs {expected} (truncated?)"
+    return None
 
 
 def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0) -> Path:
@@ -73,7 +131,8 @@ def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0) -> Path:
         save_file({k: v.contiguous().cpu() for k, v in policy.trainable_state_dict().items()},
                   str(tmp / "trainable.safetensors"))
         save_config(cfg, tmp / "config.yaml")
-        meta = {"step": step, "diffrl_version": diffrl.__version__, "time": time.time()}
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        meta = {"step": step, "diffrl_version": diffrl.__version__, "time": time.time(), "files": files}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -90,14 +149,68 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(accelerator, policy, path: Path) -> int:
+def load_checkpoint(accelerator, policy, path: Path, model_cfg=None) -> int:
     """Restore optimizer, schedule, RNG, registered objects and the exact trainable
-    weights; returns the step the checkpoint was taken after."""
+    weights; returns the step the checkpoint was taken after. A damaged checkpoint, or one
+    of a different model (LoRA rank or targets, full fine-tuning), is one
+    :class:`CheckpointError` that names the difference; nothing is loaded then."""
     path = Path(path)
+    problem = checkpoint_problem(path)
+    if problem:
+        raise CheckpointError(f"cannot resume from {path}: {problem}")
     meta = json.loads((path / "meta.json").read_text())
-    accelerator.load_state(str(path))
-    policy.load_trainable_state_dict(load_file(str(path / "trainable.safetensors"), device="cpu"))
+    try:
+        state = load_file(str(path / "trainable.safetensors"), device="cpu")
+    except Exception as err:  # noqa: BLE001 - any reader failure means a damaged file
+        raise CheckpointError(f"cannot resume from {path}: trainable.safetensors does not load ({err})") from None
+    mismatch = weights_mismatch(state, dict(policy.trainable_named_parameters()))
+    if mismatch:
+        raise CheckpointError(f"cannot resume from {path}: it holds a different model than this run's ({mismatch})"
+                              + model_settings_diff(path / "config.yaml", model_cfg))
+    try:
+        accelerator.load_state(str(path))
+    except Exception as err:  # noqa: BLE001 - accelerate's pickles and optimizer state
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise CheckpointError(f"cannot resume from {path}: its optimizer / RNG state does not load "
+                              f"({type(err).__name__}: {first})") from None
+    policy.load_trainable_state_dict(state)
     return int(meta["step"])
+
+
+def weights_mismatch(saved: dict, current: dict) -> str | None:
+    """The first difference between saved and current trainable tensors, in words."""
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        return (f"{len(missing)} of this run's trainable tensors are not in it and it has {len(unexpected)} this run "
+                f"lacks, e.g. '{(missing or unexpected)[0]}'")
+    for name in sorted(current):
+        if tuple(saved[name].shape) != tuple(current[name].shape):
+            return f"'{name}' is {list(saved[name].shape)} there and {list(current[name].shape)} here"
+    return None
+
+
+def model_settings_diff(saved_config: Path, model_cfg) -> str:
+    """'; model.lora.rank is 8 there and 16 here' for each model setting that differs."""
+    if model_cfg is None or not Path(saved_config).is_file():
+        return ""
+    import dataclasses
+
+    import yaml
+
+    saved = (yaml.safe_load(Path(saved_config).read_text()) or {}).get("model", {})
+    now = dataclasses.asdict(model_cfg)
+    diffs = []
+
+    def walk(a, b, prefix):
+        for key in sorted(set(a) | set(b)):
+            x, y = a.get(key), b.get(key)
+            if isinstance(x, dict) and isinstance(y, dict):
+                walk(x, y, f"{prefix}{key}.")
+            elif x != y:
+                diffs.append(f"{prefix}{key} is {x!r} there and {y!r} here")
+
+    walk(saved, now, "model.")
+    return ("; " + "; ".join(diffs[:4]) + "; resume with the checkpoint's model settings (its config.yaml)") if diffs else ""
 
 
 def install_accelerate_hooks(accelerator) -> None:

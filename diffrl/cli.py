@@ -16,7 +16,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diffrl.data import PromptFileError
     from diffrl.models.base import ModelLoadError
     from diffrl.watchdog import TrainingStalledError
-    from rewards import UnknownRewardError
+    from rewards import RewardArgsError, UnknownRewardError
     from rewards.clip_common import MissingRewardWeightsError
     from rewards.combine import RewardPromptError
     from rewards.imagereward import ImageRewardCheckpointError, ImageRewardFilesMissing
@@ -24,7 +24,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError,
             RewardPromptError, MissingRewardWeightsError, ImageRewardFilesMissing, ImageRewardCheckpointError,
-            CompareError, TrainingStalledError)
+            CompareError, TrainingStalledError, RewardArgsError)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override a config value, e.g. --set train.max_steps=2 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the derived run plan and exit")
     p.add_argument("--resume", metavar="latest|PATH", help="continue from the newest checkpoint or a path")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start fresh in an output_dir that holds an earlier run, deleting that run's files")
     p.add_argument("--help-config", action="store_true", help="list every config key with its help text")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--tiny-twin", action="store_true",
@@ -68,8 +70,10 @@ def main(argv=None) -> int:
         if args.dry_run:
             import os
 
+            _check_inputs(cfg)
             print(format_plan(derive(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
             return 0
+        _claim_run_dir(cfg.run_dir, args)
         from diffrl.trainer import Trainer
 
         trainer = Trainer(cfg)
@@ -80,6 +84,41 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_inputs(cfg) -> None:
+    """What a real start checks before loading weights: reward names and argument names,
+    and the prompt files (for ``--dry-run``)."""
+    import rewards
+    from diffrl.data import load_prompts
+
+    names = [r.name for r in cfg.rewards]
+    if len(set(names)) != len(names):
+        raise rewards.RewardArgsError(f"rewards: each reward may appear once, got {names}; merge the duplicates")
+    for spec in cfg.rewards:
+        rewards.check(spec.name, **dict(spec.args))
+    load_prompts(cfg.data.train_prompts)
+    if cfg.eval.every or cfg.eval.at_start:
+        load_prompts(cfg.data.eval_prompts)
+
+
+def _claim_run_dir(run_dir, args) -> None:
+    """Before any model is loaded: refuse a fresh run into a used directory (one error that
+    offers the ways on), or, with --overwrite, clear it on the main process."""
+    import os
+
+    from diffrl import run_dir as guard
+
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite starts over and --resume continues: pass one of them")
+    if args.resume:
+        return
+    if not args.overwrite:
+        guard.ensure_fresh(run_dir)
+    elif int(os.environ.get("RANK", "0")) == 0:
+        removed = guard.clear(run_dir)
+        if removed:
+            print(f"--overwrite: deleted {', '.join(removed)} from {run_dir}")
 
 
 def run_cli(fn, argv=None) -> None:

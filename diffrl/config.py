@@ -352,14 +352,39 @@ def apply_override(raw: dict, assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"--set '{assignment}': expected KEY=VALUE, e.g. train.max_steps=2")
     key, value = assignment.split("=", 1)
-    parts = key.strip().split(".")
+    key = key.strip()
+    _check_override_key(key)
+    parts = key.split(".")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"--set {key}: '{part}' is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        problem = " ".join(str(getattr(err, "problem", "") or err).split())
+        raise ConfigError(f"--set {key}: the value {value!r} is not valid YAML ({problem}); a list or mapping "
+                          "needs quotes around the whole assignment, e.g. --set 'rewards=[{name: jpeg_compressibility}]'"
+                          ) from None
+
+
+def _check_override_key(key: str) -> None:
+    """``--set`` keys must exist in the schema (free-form mappings such as a reward's
+    ``args`` accept any key below them)."""
+    cls, done = Config, []
+    for part in key.split("."):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return  # below a mapping, list or Any: not checked here
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f" Did you mean '{'.'.join(done + [close[0]])}'?" if close else ""
+            raise ConfigError(f"--set {key}: unknown key '{'.'.join(done + [part])}'.{hint} "
+                              f"Valid keys here: {', '.join(names)} (--help-config lists them all)")
+        cls = typing.get_type_hints(cls)[part]
+        done.append(part)
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> Config:
@@ -382,7 +407,21 @@ def load_config(name_or_path: str, overrides: list[str] | tuple = ()) -> Config:
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(raw).__name__}")
     for assignment in overrides:
         apply_override(raw, assignment)
-    return config_from_dict(raw, str(path))
+    try:
+        return config_from_dict(raw, str(path))
+    except ConfigError as err:
+        raise ConfigError(_blame_override(str(err), str(path), overrides)) from None
+
+
+def _blame_override(message: str, source: str, overrides) -> str:
+    """'configs/x.yaml: train.max_steps: ...' becomes '--set train.max_steps=...: ...' when
+    that key came from the command line, so the user edits the right thing."""
+    body = message[len(source) + 2:] if message.startswith(source + ": ") else message
+    for assignment in overrides:
+        key = assignment.split("=", 1)[0].strip()
+        if body.startswith((f"{key}:", f"{key}[", f"{key}.")):
+            return f"--set {assignment}: {body[len(key):].lstrip(': ')}"
+    return message
 
 
 def with_overrides(cfg: Config, overrides: list[str] | tuple) -> Config:

@@ -19,6 +19,24 @@ def _plain(value):
     return value
 
 
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """The rows of a ``metrics.jsonl``. A run killed while writing leaves a torn last line:
+    it is left out (``warn`` is called with a note); a bad line elsewhere is left out too
+    and named, since the other rows are still worth reading."""
+    lines = Path(path).read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if warn is not None:
+                where = "its torn last line" if number == len(lines) else f"line {number}, which is not JSON"
+                warn(f"note: {path}: left out {where}")
+    return rows
+
+
 class MetricsLogger:
     def __init__(self, accelerator, run_dir: Path, resume_step: int = 0):
         self.accelerator = accelerator
@@ -30,7 +48,7 @@ class MetricsLogger:
     def _truncate_after(self, step: int) -> float:
         """After a resume, drop rows logged past the checkpoint (so the file has no
         duplicates) and return the wall time already spent, so wall_time stays cumulative."""
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        rows = read_metrics(self.path, warn=self.accelerator.print)
         kept = [r for r in rows if r.get("step", 0) <= step]
         if self.accelerator.is_main_process:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))

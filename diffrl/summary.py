@@ -6,14 +6,15 @@ after a resume: "before" is the first evaluation ever logged, "after" the last.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from diffrl.metrics import read_metrics
 
 
 def eval_rows(metrics_path: Path) -> list[dict]:
     if not Path(metrics_path).is_file():
         return []
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_path)
     return [r for r in rows if any(k.startswith("eval/") for k in r)]
 
 

@@ -17,11 +17,11 @@ from accelerate.utils import ProjectConfiguration, pad_across_processes
 from tqdm.auto import tqdm
 
 from diffrl import checkpoint as ckpt
+from diffrl import run_dir as run_dir_guard
 from diffrl.algorithms import compute_advantages, get_objective
 from diffrl.algorithms.solrl import SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
-from diffrl.watchdog import check_stalled, no_update_message
 from diffrl.data import load_prompts, plan_step
 from diffrl.evaluation import evaluate, spaced_subset
 from diffrl.metrics import MetricsLogger, StageClock
@@ -32,6 +32,7 @@ from diffrl.policy import EMA, OldPolicy, Policy
 from diffrl.sampling import TreeTrajectory, get_strategy
 from diffrl.summary import before_after
 from diffrl.update import UpdateCounters, Updater
+from diffrl.watchdog import check_stalled, no_update_message
 from rewards.combine import MultiReward
 
 
@@ -243,13 +244,16 @@ class Trainer:
 
     # -- loop -----------------------------------------------------------------------------
     def resume(self, spec: str) -> None:
-        path = ckpt.resolve_resume(spec, self.cfg.run_dir)
-        self.step = ckpt.load_checkpoint(self.acc, self.policy, path)
+        path = ckpt.resolve_resume(spec, self.cfg.run_dir, log=self.acc.print)
+        self.step = ckpt.load_checkpoint(self.acc, self.policy, path, self.cfg.model)
         self.acc.print(f"resumed from {path} at step {self.step}")
 
     def fit(self) -> list[dict]:
         cfg = self.cfg
         run_dir = cfg.run_dir
+        if self.step == 0:  # a fresh start (not a resume) never mixes with an earlier run
+            run_dir_guard.ensure_fresh(run_dir)
+            self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")

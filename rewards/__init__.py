@@ -35,6 +35,10 @@ class UnknownRewardError(KeyError):
         return self.args[0]
 
 
+class RewardArgsError(ValueError):
+    """A reward's ``args`` (or the reward list) in the config are wrong; names the fix."""
+
+
 def register(name: str, target: str) -> None:
     """Register ``"package.module:Factory"`` under ``name`` (imported on first build)."""
     _REGISTRY[name] = target
@@ -44,13 +48,46 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build(name: str, **kwargs):
+def _factory(name: str):
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, available(), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise UnknownRewardError(f"unknown reward '{name}'.{hint} Valid rewards: {', '.join(available())}")
     module, attr = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), attr)(**kwargs)
+    return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["UnknownRewardError", "available", "build", "register"]
+def check(name: str, **kwargs) -> None:
+    """What ``build`` checks before it constructs (the name and the argument names), with
+    no weights loaded: for ``--dry-run``."""
+    _check_arg_names(name, _factory(name), kwargs)
+
+
+def build(name: str, **kwargs):
+    factory = _factory(name)
+    _check_arg_names(name, factory, kwargs)
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError) as err:
+        if type(err) not in (TypeError, ValueError):  # a reward's own error type already says it all
+            raise
+        raise RewardArgsError(f"reward '{name}', args {kwargs}: {err}") from None
+
+
+def _check_arg_names(name: str, factory, kwargs: dict) -> None:
+    """An unknown argument is named with the valid ones (a TypeError would not list them)."""
+    import inspect
+
+    params = inspect.signature(factory).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in valid]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise RewardArgsError(f"reward '{name}' has no argument '{unknown[0]}'.{hint} "
+                              f"Its arguments: {', '.join(valid) or 'none'}")
+
+
+__all__ = ["RewardArgsError", "UnknownRewardError", "available", "build", "check", "register"]

@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlparse
 import torch
 import torch.nn.functional as F
 
+from rewards.errors import one_line
 from rewards.images import RewardInputError, to_tensor_batch
 
 # OpenAI CLIP's published pixel statistics (Radford et al. 2021; ``OPENAI_DATASET_MEAN/STD``
@@ -79,7 +80,7 @@ def hub_file(reward: str, repo_id: str, filename: str, arg: str = "checkpoint") 
         raise missing_weights(
             reward,
             f"'{filename}' from hub repo '{repo_id}' could not be fetched ({type(err).__name__})",
-            f"Download it with `huggingface-cli download {repo_id} {filename} --local-dir DIR` "
+            f"Download it with `hf download {repo_id} {filename} --local-dir DIR` "
             f"and pass {arg}='DIR/{filename}'.",
         ) from err
 
@@ -109,7 +110,7 @@ def local_file(reward: str, path: str, fetch: str) -> str:
 
 def hf_pretrained(reward: str, cls, spec: str, arg: str = "pretrained", **kwargs):
     """``cls.from_pretrained(spec)`` for a local directory or a hub id, with one clear error."""
-    fetch = (f"Download it with `huggingface-cli download {spec} --local-dir DIR` and pass {arg}='DIR'"
+    fetch = (f"Download it with `hf download {spec} --local-dir DIR` and pass {arg}='DIR'"
              if looks_like_hub_id(spec) else f"Pass {arg}= a hub id or a directory saved with save_pretrained")
     if not looks_like_hub_id(spec) and not os.path.isdir(os.path.expanduser(spec)):
         raise missing_weights(reward, f"no directory at '{spec}'", fetch + ".")
@@ -117,7 +118,7 @@ def hf_pretrained(reward: str, cls, spec: str, arg: str = "pretrained", **kwargs
         with quiet_loading():
             loaded = cls.from_pretrained(os.path.expanduser(spec), **kwargs)
     except OSError as err:  # transformers reports missing local/hub files as OSError
-        raise missing_weights(reward, f"'{spec}' could not be loaded ({err})", fetch + ".") from err
+        raise missing_weights(reward, f"'{spec}' could not be loaded ({one_line(err)})", fetch + ".") from err
     if not kwargs.get("output_loading_info"):
         return loaded
     model, info = loaded

@@ -17,7 +17,8 @@ class MultiReward:
     def __init__(self, specs):
         self.names = [s.name for s in specs]
         if len(set(self.names)) != len(self.names):
-            raise ValueError(f"rewards: each reward may appear once, got {self.names}")
+            raise rewards.RewardArgsError(f"rewards: each reward may appear once, got {self.names}; merge the "
+                                          "duplicates into one entry")
         self.weights = torch.tensor([float(s.weight) for s in specs])
         self.models = [rewards.build(s.name, **dict(s.args)) for s in specs]
 

@@ -94,7 +94,7 @@ class HPSv2(ClipReward):
         path = os.path.expanduser(str(checkpoint))
         if os.path.isdir(path):
             path = os.path.join(path, self.filename)
-        fetch = (f"Download it with `huggingface-cli download {HUB_REPO} {self.filename} --local-dir DIR` "
+        fetch = (f"Download it with `hf download {HUB_REPO} {self.filename} --local-dir DIR` "
                  f"and pass checkpoint='DIR/{self.filename}' (or checkpoint=None to use the hub cache).")
         return local_file(self.name, path, fetch)
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rewards.blip import BertTextEncoder, TextConfig, VisionTransformer, ViTConfig
+from rewards.errors import one_line
 from rewards.images import RewardInputError, to_tensor_batch
 
 HUB_REPO = "THUDM/ImageReward"
@@ -39,11 +40,11 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_LENGTH = 35  # ImageReward.score: padding='max_length', truncation=True, max_length=35
 DOWNLOAD_HINT = (
-    "Get the official files with `huggingface-cli download THUDM/ImageReward ImageReward.pt med_config.json "
+    "Get the official files with `hf download THUDM/ImageReward ImageReward.pt med_config.json "
     "--local-dir DIR` and pass checkpoint='DIR/ImageReward.pt' (med_config.json is read from the same folder)."
 )
 TOKENIZER_HINT = (
-    "ImageReward uses the bert-base-uncased tokenizer: `huggingface-cli download bert-base-uncased vocab.txt "
+    "ImageReward uses the bert-base-uncased tokenizer: `hf download bert-base-uncased vocab.txt "
     "tokenizer_config.json --local-dir DIR` and pass tokenizer='DIR'."
 )
 _VISION_KEYS = {"image_size", "patch_size", "width", "depth", "heads", "mlp_ratio"}
@@ -157,7 +158,7 @@ def _hub_file(repo: str, filename: str, hint: str) -> Path:
         return Path(hf_hub_download(repo_id=repo, filename=filename))
     except Exception as err:  # offline, unknown repo, no cache: all the same answer for the user
         raise ImageRewardFilesMissing(
-            f"ImageReward: could not get {filename} from the hub repo '{repo}' ({type(err).__name__}: {err}). {hint}"
+            f"ImageReward: could not get {filename} from the hub repo '{repo}' ({one_line(err)}). {hint}"
         ) from err
 
 
@@ -193,7 +194,7 @@ def load_tokenizer(spec: str | Path, vocab_size: int):
         tok = BertTokenizer.from_pretrained(str(Path(spec).expanduser()) if Path(spec).expanduser().exists() else spec)
     except Exception as err:
         raise ImageRewardFilesMissing(
-            f"ImageReward: tokenizer '{spec}' could not be loaded ({type(err).__name__}: {err}). {TOKENIZER_HINT}"
+            f"ImageReward: tokenizer '{spec}' could not be loaded ({one_line(err)}). {TOKENIZER_HINT}"
         ) from err
     tok.add_special_tokens({"bos_token": "[DEC]"})
     # transformers 5 no longer keeps additional_special_tokens_ids, so look [ENC] up by name
@@ -224,7 +225,7 @@ def load_net(path: Path, vision: ViTConfig, text: TextConfig) -> ImageRewardNet:
     try:
         net.load_state_dict(mapped, strict=True)
     except RuntimeError as err:  # shapes: a vision_config or med_config that is not the checkpoint's
-        raise ImageRewardCheckpointError(f"ImageReward: '{path}': {err}") from err
+        raise ImageRewardCheckpointError(f"ImageReward: '{path}': {one_line(err)}") from err
     return net
 
 

@@ -17,7 +17,6 @@ seed means (diffrl/seed_groups.py):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -38,7 +37,9 @@ def load_run(path: Path) -> list[dict]:
     metrics = Path(path) / "metrics.jsonl"
     if not metrics.is_file():
         raise ReportError(f"'{path}' has no metrics.jsonl; pass a run directory (output_dir of a training run)")
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    from diffrl.metrics import read_metrics
+
+    return read_metrics(metrics, warn=print)
 
 
 def headline(rows: list[dict]) -> str | None:

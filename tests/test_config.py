@@ -86,3 +86,52 @@ def test_every_field_has_help():
     lines = describe()
     assert len(lines) > 40
     assert all(line.split(": ", 1)[1].strip() for line in lines), "a config field lacks a help text"
+
+
+def test_set_errors_name_the_set_not_the_config_file():
+    with pytest.raises(ConfigError, match=r"^--set train.max_stepz: unknown key 'train.max_stepz'\. "
+                                          r"Did you mean 'train.max_steps'\?"):
+        load_config("tiny_flux_flowgrpo", ["train.max_stepz=3"])
+    with pytest.raises(ConfigError, match=r"^--set train.max_steps=abc: expected int, got str 'abc'$"):
+        load_config("tiny_flux_flowgrpo", ["train.max_steps=abc"])
+    with pytest.raises(ConfigError, match=r"^--set rewards: the value '\[\{name: x' is not valid YAML .*quotes"):
+        load_config("tiny_flux_flowgrpo", ["rewards=[{name: x"])
+    # below a free-form mapping any key is allowed (a reward's args are checked by the reward)
+    cfg = load_config("tiny_flux_flowgrpo", ["rewards=[{name: jpeg_compressibility, args: {quality: 80}}]"])
+    assert cfg.rewards[0].args == {"quality": 80}
+
+
+def test_bad_reward_args_are_one_error_that_names_the_valid_ones():
+    import rewards
+
+    with pytest.raises(rewards.RewardArgsError, match="reward 'shapeworld' has no argument 'scor'. Did you mean "
+                                                      "'score'.*Its arguments: score, fg_threshold"):
+        rewards.build("shapeworld", scor="strict")
+    with pytest.raises(rewards.RewardArgsError, match="reward 'shapeworld', args .*score must be 'partial'"):
+        rewards.build("shapeworld", score="bogus")
+
+
+def test_the_cli_prints_bad_reward_args_and_bad_set_values_as_one_line(tmp_path, capsys):
+    from diffrl.cli import main
+
+    for extra, words in ((["rewards=[{name: shapeworld, args: {score: bogus}}]"], "score must be"),
+                         (["rewards=[{name: x"], "not valid YAML"), (["optim.lrr=1"], "unknown key 'optim.lrr'")):
+        args = ["--config", "tiny_toy_flowgrpo", "--set", f"output_dir={tmp_path / 'r'}"]
+        for o in extra:
+            args += ["--set", o]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and words in err, err
+
+
+def test_dry_run_checks_reward_names_arguments_and_prompt_files_without_loading_weights(capsys):
+    from diffrl.cli import main
+
+    base = ["--config", "tiny_flux_flowgrpo", "--dry-run"]
+    for override, words in (("rewards=[{name: pickscor}]", "Did you mean 'pickscore'"),
+                            ("rewards=[{name: hpsv21, args: {checkpont: x.pt}}]", "has no argument 'checkpont'"),
+                            ("data.train_prompts=nope.txt", "'nope.txt' does not exist")):
+        assert main(base + ["--set", override]) == 2
+        assert words in capsys.readouterr().err
+    # a model reward whose weights are not here still passes a dry run: nothing is loaded
+    assert main(base + ["--set", "rewards=[{name: hpsv21, args: {checkpoint: /nowhere/hps.pt}}]"]) == 0

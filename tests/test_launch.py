@@ -145,7 +145,7 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     start = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml",
                   "--set", f"output_dir={tmp_path}"])
     assert start.returncode == 2 and "Traceback" not in start.stderr
-    assert "hpsv21: weights not found" in start.stderr and "huggingface-cli download xswu/HPSv2" in start.stderr
+    assert "hpsv21: weights not found" in start.stderr and "hf download xswu/HPSv2" in start.stderr
     model = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--set", f"output_dir={tmp_path}",
                   "--set", "rewards=[{name: jpeg_compressibility}]"])
     assert model.returncode == 2 and "Traceback" not in model.stderr

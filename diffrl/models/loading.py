@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from diffrl.models.base import Conditioning, FlowAdapter, ModelLoadError, unwrap  # noqa: F401 (re-export)
+from rewards.errors import one_line
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,8 +46,8 @@ def _fix_hint(name: str) -> str:
     hub_id = name if not _looks_like_path(name) else "<hub-id>"
     return (
         "To use weights stored locally, download them once on a machine with access "
-        f"(`huggingface-cli download {hub_id} --local-dir DIR`; gated models such as FLUX.1-dev "
-        "also need `huggingface-cli login` and the licence accepted on the hub) and set "
+        f"(`hf download {hub_id} --local-dir DIR`; gated models such as FLUX.1-dev "
+        "also need `hf auth login` and the licence accepted on the hub) and set "
         "`model.pretrained: DIR`, a local path to a diffusers directory containing model_index.json."
     )
 
@@ -84,7 +85,7 @@ def load_pipeline(pipeline_class, model_cfg, **component_overrides):
         offline = " HF_HUB_OFFLINE is set, so nothing can be downloaded." if _offline() else ""
         raise ModelLoadError(
             f"could not load {pipeline_class.__name__} from '{model_cfg.pretrained}'{rev}: "
-            f"{type(err).__name__}: {err}.{offline} {_fix_hint(name)}"
+            f"{one_line(err)}.{offline} {_fix_hint(name)}"
         ) from err
 
 

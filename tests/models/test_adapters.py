@@ -333,7 +333,7 @@ def test_from_pretrained_fake_hub_id_offline(family):
     with pytest.raises(ModelLoadError) as err:
         build_adapter(make_cfg(family, pretrained=name))
     message = str(err.value)
-    assert name in message and "local" in message and "huggingface-cli download" in message
+    assert name in message and "local" in message and "hf download" in message
 
 
 @pytest.mark.parametrize("family", FAMILIES)

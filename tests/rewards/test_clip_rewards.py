@@ -217,7 +217,7 @@ def test_hps_missing_weights_name_the_file_and_the_command(tmp_path, monkeypatch
     with pytest.raises(MissingRewardWeightsError, match=re.escape(str(missing))) as err:
         HPSv21(checkpoint=str(missing), model_name=TINY_OPENCLIP)
     assert isinstance(err.value, FileNotFoundError)
-    assert "huggingface-cli download xswu/HPSv2 HPS_v2.1_compressed.pt" in str(err.value)
+    assert "hf download xswu/HPSv2 HPS_v2.1_compressed.pt" in str(err.value)
 
     with pytest.raises(MissingRewardWeightsError, match="no file at 'ckpt/HPS_v2.pt'"):
         HPSv2(checkpoint="ckpt/HPS_v2.pt", model_name=TINY_OPENCLIP)  # relative path, not a hub id
@@ -226,7 +226,7 @@ def test_hps_missing_weights_name_the_file_and_the_command(tmp_path, monkeypatch
         raise OSError("no internet")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with pytest.raises(MissingRewardWeightsError, match="huggingface-cli download xswu/HPSv2 HPS_v2_compressed.pt"):
+    with pytest.raises(MissingRewardWeightsError, match="hf download xswu/HPSv2 HPS_v2_compressed.pt"):
         HPSv2(model_name=TINY_OPENCLIP)
 
 

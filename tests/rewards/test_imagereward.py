@@ -185,7 +185,7 @@ def test_bad_inputs(reward):
 
 def test_missing_files_give_one_clear_error(tmp_path, files):
     _, tok, state = files
-    with pytest.raises(ImageRewardFilesMissing, match="huggingface-cli download THUDM/ImageReward ImageReward.pt "
+    with pytest.raises(ImageRewardFilesMissing, match="hf download THUDM/ImageReward ImageReward.pt "
                                                       "med_config.json") as err:
         ImageReward(checkpoint=tmp_path / "nowhere" / "ImageReward.pt", tokenizer=tok, device="cpu",
                     vision_config=VISION)
