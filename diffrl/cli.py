@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     if args.help_config:
         print("\n".join(describe()))
         return 0
+    cfg = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.tiny_twin:
@@ -83,7 +84,25 @@ def main(argv=None) -> int:
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(_interrupted_message(cfg), file=sys.stderr)
+        return 130  # the shell's code for SIGINT
     return 0
+
+
+def _interrupted_message(cfg) -> str:
+    """Ctrl-C: no traceback, and whether there is a checkpoint to continue from (one being
+    written when the key was pressed is never half-kept: saves are atomic)."""
+    from diffrl.checkpoint import checkpoint_problem, list_checkpoints
+
+    if cfg is None:
+        return "interrupted"
+    complete = [(step, path) for step, path in list_checkpoints(cfg.run_dir) if checkpoint_problem(path) is None]
+    if not complete:
+        return f"interrupted: no checkpoint was saved in {cfg.run_dir}; start again with --overwrite"
+    step, path = complete[-1]
+    return (f"interrupted: the last checkpoint is {path} (after iteration {step}); continue with "
+            f"--resume latest and the same --config and --set")
 
 
 def _check_inputs(cfg) -> None:

@@ -85,20 +85,36 @@ def load_weights(policy, path: Path) -> None:
         policy.transformer.load_state_dict(full.state_dict())
         return
     if (path / "trainable.safetensors").is_file():
+        state = _read_weights(path / "trainable.safetensors")
         try:
-            policy.load_trainable_state_dict(load_file(str(path / "trainable.safetensors"), device="cpu"))
+            policy.load_trainable_state_dict(state)
         except ValueError as err:
             raise CompareError(f"checkpoint '{path}': {err}; compare it with the config it was trained with") from None
         return
     from peft.utils import set_peft_model_state_dict
 
-    state = load_file(str(path / "pytorch_lora_weights.safetensors"), device="cpu")
+    state = _read_weights(path / "pytorch_lora_weights.safetensors")
     state = {k.removeprefix("transformer."): v for k, v in state.items()}
     result = set_peft_model_state_dict(policy.transformer, state)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise CompareError(f"checkpoint '{path}': LoRA keys do not match this model (e.g. {unexpected[:2]}); "
                            "is it for the config's model family and LoRA targets?")
+
+
+def _read_weights(file: Path) -> dict:
+    """A .safetensors file's tensors, or one CompareError if it is damaged."""
+    from safetensors.torch import load_file
+
+    from diffrl.checkpoint import safetensors_problem
+
+    problem = safetensors_problem(file)
+    if problem is None:
+        try:
+            return load_file(str(file), device="cpu")
+        except Exception as err:  # noqa: BLE001 - any reader failure means a damaged file
+            problem = f"{file.name} does not load ({err})"
+    raise CompareError(f"checkpoint '{file.parent}': {problem}; pass an intact checkpoint (another step-N)")
 
 
 def generate(adapter, model, prompts: list[str], seeds: list[int], steps: int, cfg) -> torch.Tensor:
@@ -147,7 +163,8 @@ def _score(reward_fn, images, prompts, seeds) -> list[dict[str, float]]:
         return [{} for _ in range(len(images))]
     rows = [p for p in prompts for _ in seeds]
     _, _, logs = reward_fn(images, rows, {})
-    return [{k: float(v[r]) for k, v in logs.items()} for r in range(len(images))]
+    # a NaN score does not apply to that image (e.g. a per-kind breakdown): leave it out
+    return [{k: float(v[r]) for k, v in logs.items() if not torch.isnan(v[r])} for r in range(len(images))]
 
 
 def _add_deltas(tiles: list[Tile]) -> None:

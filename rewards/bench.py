@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from diffrl.algorithms.selection import kendall_tau, spearman_rho
+from rewards.errors import one_line
 
 LABELS = ("a", "b", "tie")
 
@@ -35,6 +36,7 @@ class Pair:
     image_a: Path
     image_b: Path
     label: str
+    where: str = ""  # "file:line" of the pair, for error messages
 
 
 def load_pairs(path: str | Path) -> list[Pair]:
@@ -59,7 +61,7 @@ def load_pairs(path: str | Path) -> list[Pair]:
         for image in (a, b):
             if not image.is_file():
                 raise PreferenceFileError(f"{path}:{lineno}: image '{image}' does not exist")
-        pairs.append(Pair(row["prompt"], a, b, row["label"]))
+        pairs.append(Pair(row["prompt"], a, b, row["label"], f"{path}:{lineno}"))
     if not pairs:
         raise PreferenceFileError(f"preference file '{path}' has no pairs")
     return pairs
@@ -90,7 +92,10 @@ def load_folder(directory: str | Path) -> tuple[list[Path], list[str]]:
     images, prompts = [], []
     for lineno, line in enumerate(index.read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise PreferenceFileError(f"{index}:{lineno}: invalid JSON ({err.msg})") from None
             if not (directory / row.get("image", "")).is_file():
                 raise PreferenceFileError(f"{index}:{lineno}: image '{row.get('image')}' does not exist")
             images.append(directory / row["image"])
@@ -98,9 +103,19 @@ def load_folder(directory: str | Path) -> tuple[list[Path], list[str]]:
     return images, prompts
 
 
-def read_images(paths: list[Path]) -> torch.Tensor:
-    """Float [0, 1] (N, 3, H, W); every image must have the first one's size."""
-    arrays = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) / 255.0 for p in paths]
+def read_images(paths: list[Path], where: list[str] | None = None) -> torch.Tensor:
+    """Float [0, 1] (N, 3, H, W); every image must have the first one's size. An image
+    that does not decode (truncated, not an image) is one error naming ``where[i]`` (the
+    pair's file and line) when given."""
+    arrays = []
+    for i, p in enumerate(paths):
+        try:
+            with Image.open(p) as image:
+                arrays.append(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            at = f"{where[i]}: " if where else ""
+            raise PreferenceFileError(f"{at}image '{p}' cannot be read ({one_line(err)}); replace the file or "
+                                      "remove that line") from None
     sizes = {a.shape for a in arrays}
     if len(sizes) > 1:
         raise PreferenceFileError(f"images differ in size {sorted(sizes)}; resize them to one size first")

@@ -72,9 +72,10 @@ def bench_one(reward, name: str, data: dict, args) -> tuple[dict, torch.Tensor]:
 def load_data(args) -> dict:
     if args.images:
         paths, prompts = bench.load_folder(args.images)
-        return {"images": bench.read_images(paths), "prompts": prompts}
+        return {"images": bench.read_images(paths, [f"{args.images}/prompts.jsonl"] * len(paths)), "prompts": prompts}
     pairs = bench.load_pairs(args.pairs)
-    images = bench.read_images([p.image_a for p in pairs] + [p.image_b for p in pairs])
+    images = bench.read_images([p.image_a for p in pairs] + [p.image_b for p in pairs],
+                               [f"{p.where} (image_a)" for p in pairs] + [f"{p.where} (image_b)" for p in pairs])
     prompts = [p.prompt for p in pairs] * 2
     return {"images": images, "prompts": prompts, "labels": [p.label for p in pairs]}
 

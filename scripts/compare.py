@@ -47,6 +47,8 @@ def main(argv=None) -> dict:
     from rewards.combine import MultiReward
 
     args = parse_args(argv)
+    if args.num_prompts < 1:
+        raise CompareError(f"--num-prompts must be at least 1, got {args.num_prompts}")
     cfg = load_config(args.config, args.set)
     try:
         scales = [float(w) for w in args.rlg_scales.split(",")] if args.rlg_scales else []
@@ -68,7 +70,7 @@ def main(argv=None) -> dict:
     for i, page in enumerate(pages):
         page.save(out / (f"grid_{i + 1}.png" if len(pages) > 1 else "grid.png"))
     write_jsonl(tiles, out / "scores.jsonl")
-    write_html(tiles, names, sorted(tiles[0].scores), out / "index.html", f"{cfg.run_name}: {', '.join(names)}")
+    write_html(tiles, names, sorted({k for t in tiles for k in t.scores}), out / "index.html", f"{cfg.run_name}: {', '.join(names)}")
     print(f"wrote {len(pages)} PNG page(s), index.html and scores.jsonl to {out}")
     return {"tiles": tiles, "pages": len(pages), "out": out}
 

@@ -89,6 +89,17 @@ def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_cli(script.main, ["--config", "tiny_toy_flowgrpo", "--checkpoint", f"x={tmp_path / 'missing'}"])
     assert exit_info.value.code == 2 and "error: checkpoint 'x=" in capsys.readouterr().err
+    with pytest.raises(CompareError, match="--num-prompts must be at least 1, got 0"):
+        script.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", "base", "--num-prompts", "0"])
+    torn = _checkpoint("tiny_toy_flowgrpo", tmp_path / "torn", seed=0)
+    weights = torn / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(script.main, ["--config", "tiny_toy_flowgrpo", "--checkpoint", f"t={torn}", "--num-prompts", "1",
+                              "--seeds", "0", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: checkpoint '{torn}': trainable.safetensors has") and "truncated" in err
 
 
 def test_video_tiles_become_frame_strips_and_gifs(tmp_path):

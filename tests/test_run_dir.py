@@ -63,3 +63,22 @@ def test_the_trainer_itself_refuses_a_used_directory(tmp_path):
     Trainer(cfg).fit()
     with pytest.raises(RunDirInUseError, match="already holds a run"):
         Trainer(cfg).fit()
+
+
+def test_ctrl_c_stops_without_a_traceback_and_names_the_checkpoint_to_resume(tmp_path, capsys, monkeypatch):
+    real = Trainer.train_step
+
+    def pressed_at_the_third(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", pressed_at_the_third)
+    run = tmp_path / "run"
+    assert _cli(run, "--set", "train.max_steps=4") == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (f"interrupted: the last checkpoint is {run / 'checkpoints' / 'step-2'} (after iteration 2); "
+                   "continue with --resume latest and the same --config and --set")
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert _cli(run, "--set", "train.max_steps=4", "--resume", "latest") == 0
+    assert _steps(run) == [1, 2, 3, 4]

@@ -86,3 +86,18 @@ def test_pairs_from_rankings_labels_every_pair_by_rank():
                                      image_root="imgs")
     assert [(r["image_a"], r["image_b"], r["label"]) for r in rows] == [
         ("imgs/x.png", "imgs/y.png", "b"), ("imgs/x.png", "imgs/z.png", "tie"), ("imgs/y.png", "imgs/z.png", "a")]
+
+
+def test_a_truncated_image_in_a_pairs_file_names_the_pair_and_line(tmp_path, capsys):
+    good = SHIPPED.parent.joinpath("images/000_a.png").read_bytes()
+    (tmp_path / "a.png").write_bytes(good)
+    (tmp_path / "b.png").write_bytes(good[: len(good) // 2])  # cut mid-stream
+    row = {"prompt": "a red circle", "image_a": "a.png", "image_b": "b.png", "label": "a"}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({**row, "image_b": "a.png"}) + "\n" + json.dumps(row) + "\n")
+    module = load_script("bench_rewards")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--pairs", str(tmp_path / "pairs.jsonl"), "--reward", "jpeg_compressibility", "--no-speed",
+                     "--out", str(tmp_path / "out")])
+    message = str(exit_.value)
+    assert message.startswith(f"error: {tmp_path / 'pairs.jsonl'}:2 (image_b): image '{tmp_path / 'b.png'}' cannot be read")
+    assert "\n" not in message
