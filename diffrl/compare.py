@@ -78,7 +78,6 @@ def with_rlg_scales(columns: list[Column], scales: list[float]) -> list[Column]:
 
 def load_weights(policy, path: Path) -> None:
     """Load a checkpoint's LoRA into the policy (exact fp32 tensors when available)."""
-    from safetensors.torch import load_file
 
     if not policy.is_lora and (path / "transformer").is_dir() and not (path / "trainable.safetensors").is_file():
         full = type(policy.transformer).from_pretrained(str(path / "transformer"))
