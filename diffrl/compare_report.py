@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-LABEL_H = 44
+from diffrl.plots import LINE_PX, wrap_caption
+
+LABEL_H = 4 * LINE_PX + 4  # name, score, and the prompt over two lines under the first column
+GAP = 6  # px of white between tiles
 MIN_TILE = 160  # px: room for a caption
 STRIP_FRAMES = 4
 
@@ -43,20 +46,23 @@ def grid_pages(tiles, columns: list[str], main_reward: str | None, rows_per_page
     sample = to_pil(tiles[0].image)
     scale = scale or max(1, -(-MIN_TILE // sample.width))
     w, h = sample.width * scale, sample.height * scale
+    cell_w, cell_h = w + GAP, h + LABEL_H + GAP
     pages = []
     for start in range(0, len(rows), rows_per_page):
         chunk = rows[start:start + rows_per_page]
-        page = Image.new("RGB", (w * len(columns), (h + LABEL_H) * len(chunk)), (255, 255, 255))
+        page = Image.new("RGB", (cell_w * len(columns) + GAP, cell_h * len(chunk) + GAP), (255, 255, 255))
         draw = ImageDraw.Draw(page)
         for r, (p, s) in enumerate(chunk):
             for c, name in enumerate(columns):
                 tile = by_key[(p, s, name)]
-                x, y = c * w, r * (h + LABEL_H)
+                x, y = GAP + c * cell_w, GAP + r * cell_h
                 page.paste(to_pil(tile.image).resize((w, h), Image.NEAREST), (x, y))
-                draw.text((x + 2, y + h + 1), name, fill=(0, 0, 0))
-                draw.text((x + 2, y + h + 14), _caption(tile, main_reward), fill=(0, 0, 0))
+                draw.rectangle((x - 1, y - 1, x + w, y + h), outline=(150, 150, 150))  # tiles never run together
+                lines = [(name, (0, 0, 0)), (_caption(tile, main_reward), (0, 0, 0))]
                 if c == 0:
-                    draw.text((x + 2, y + h + 28), f"seed {s}: {tile.prompt}", fill=(90, 90, 90))
+                    lines += [(t, (90, 90, 90)) for t in wrap_caption(f"seed {s}: {tile.prompt}", w, lines=2)]
+                for j, (text, colour) in enumerate(lines):
+                    draw.text((x, y + h + 2 + j * LINE_PX), text, fill=colour)
         pages.append(page)
     return pages
 

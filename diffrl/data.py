@@ -20,13 +20,30 @@ class PromptFileError(ValueError):
     """A prompt file is missing, empty or malformed; the message names file and line."""
 
 
+# the checkout's root: shipped configs name their prompt files relative to it
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_prompt_path(path: str | Path) -> Path:
+    """A relative prompt path as given if it exists from the working directory, else
+    relative to the project root (so ``assets/shapeworld/train.txt`` in a shipped config
+    works from any directory). Absolute paths are taken as they are."""
+    path = Path(path).expanduser()
+    if path.is_absolute() or path.is_file():
+        return path
+    shipped = PROJECT_ROOT / path
+    return shipped if shipped.is_file() else path
+
+
 def load_prompts(path: str | Path) -> list[str]:
     """Read prompts from ``.txt`` (one per line, blank lines and ``#`` comments skipped)
-    or ``.jsonl`` (one object per line with a string ``prompt`` field)."""
-    path = Path(path)
+    or ``.jsonl`` (one object per line with a string ``prompt`` field). A relative path
+    is looked up from the working directory, then from the project root."""
+    given = path
+    path = resolve_prompt_path(path)
     if not path.is_file():
-        raise PromptFileError(f"prompt file '{path}' does not exist; set data.train_prompts / data.eval_prompts "
-                              "to a .txt (one prompt per line) or .jsonl file")
+        raise PromptFileError(f"prompt file '{given}' does not exist (looked in {Path.cwd()} and {PROJECT_ROOT}); "
+                              "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

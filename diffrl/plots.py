@@ -1,72 +1,105 @@
-"""Small PIL line charts and image sheets (no plotting library needed): training reports
-and the per-evaluation sample sheet."""
+"""Training-report charts (matplotlib) and the per-evaluation sample sheet (PIL).
+
+Charts: every panel has real axis ticks on both axes, its title, its x label, and the
+legend *outside* the axes (to their right), so labels never sit on the lines; a chart
+is returned as a PIL image so that callers only ``.save`` it. Sheets: each caption is
+wrapped to the tile's width over up to three lines instead of being cut off.
+"""
 
 from __future__ import annotations
 
+import io
 import math
+import textwrap
 
 from PIL import Image, ImageDraw
 
 COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
            (227, 119, 194), (127, 127, 127)]
+CHAR_PX = 6  # width of a character in PIL's default bitmap font
+LINE_PX = 11
+CAPTION_LINES = 3
 
 
 def _finite(values) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
 
-def line_panel(draw: ImageDraw.ImageDraw, box, title: str, xlabel: str, series) -> None:
-    """``series``: (label, xs, ys) triples; None / non-finite points are skipped."""
-    x0, y0, x1, y1 = box
-    draw.rectangle(box, outline=(0, 0, 0))
-    draw.text((x0, y0 - 14), title, fill=(0, 0, 0))
-    draw.text((x1 - 8 * len(xlabel), y1 + 3), xlabel, fill=(90, 90, 90))
-    xs = _finite([x for _, sx, sy in series for x, y in zip(sx, sy) if y is not None])
-    ys = _finite([y for _, _, sy in series for y in sy])
-    if not xs or not ys:
-        draw.text((x0 + 8, y0 + 8), "no data", fill=(120, 120, 120))
-        return
-    lo_x, hi_x = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    lo_y, hi_y = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
-    draw.text((x0 + 2, y0 + 2), f"{hi_y:.4g}", fill=(90, 90, 90))
-    draw.text((x0 + 2, y1 - 12), f"{lo_y:.4g}", fill=(90, 90, 90))
-    draw.text((x0, y1 + 3), f"{lo_x:.4g}", fill=(90, 90, 90))
-
-    def at(x, y):
-        return x0 + (x - lo_x) / (hi_x - lo_x) * (x1 - x0), y1 - (y - lo_y) / (hi_y - lo_y) * (y1 - y0)
-
-    for i, (label, sx, sy) in enumerate(series):
-        colour = COLOURS[i % len(COLOURS)]
-        pts = [at(x, y) for x, y in zip(sx, sy) if y is not None and math.isfinite(y)]
-        if len(pts) > 1:
-            draw.line(pts, fill=colour, width=2)
-        for p in pts if len(pts) < 30 else []:
-            draw.ellipse((p[0] - 2, p[1] - 2, p[0] + 2, p[1] + 2), fill=colour)
-        draw.text((x0 + 60, y0 + 4 + 12 * i), label, fill=colour)
+def _points(xs, ys) -> tuple[list[float], list[float]]:
+    keep = [(x, y) for x, y in zip(xs, ys) if y is not None and x is not None and math.isfinite(y)]
+    return [x for x, _ in keep], [y for _, y in keep]
 
 
 def panels(specs, columns: int = 3, size=(380, 240)) -> Image.Image:
-    """A sheet of line panels: ``specs`` are (title, xlabel, series) triples."""
+    """A sheet of line charts: ``specs`` are (title, xlabel, series) triples and a series is
+    (label, xs, ys); None / non-finite points are skipped. ``size`` is one panel in pixels
+    (about; the legend column adds its width)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib import pyplot as plt
+
     rows = max(1, math.ceil(len(specs) / columns))
-    w, h = size
-    image = Image.new("RGB", (w * columns, h * rows), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    for i, (title, xlabel, series) in enumerate(specs):
-        c, r = i % columns, i // columns
-        line_panel(draw, (c * w + 40, r * h + 24, (c + 1) * w - 16, (r + 1) * h - 24), title, xlabel, series)
-    return image
+    dpi = 100
+    fig, axes = plt.subplots(rows, columns, figsize=(columns * size[0] * 1.45 / dpi, rows * size[1] / dpi), dpi=dpi,
+                             squeeze=False)
+    for ax in axes.flat[len(specs):]:
+        ax.set_visible(False)
+    for ax, (title, xlabel, series) in zip(axes.flat, specs):
+        _draw_panel(ax, title, xlabel, series)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    buffer.seek(0)
+    return Image.open(buffer).convert("RGB")
+
+
+def _draw_panel(ax, title: str, xlabel: str, series) -> None:
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, alpha=0.3)
+    drawn = 0
+    for i, (label, xs, ys) in enumerate(series):
+        px, py = _points(xs, ys)
+        if not px:
+            continue
+        colour = tuple(c / 255 for c in COLOURS[i % len(COLOURS)])
+        ax.plot(px, py, color=colour, linewidth=1.4, marker="o" if len(px) < 30 else None, markersize=3, label=label)
+        drawn += 1
+    if not drawn:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
+        return
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+
+
+def wrap_caption(caption: str, width_px: int, lines: int = CAPTION_LINES) -> list[str]:
+    """``caption`` wrapped to ``width_px`` in the default font, at most ``lines`` lines (the
+    last one ends in '...' if text remains)."""
+    chars = max(4, width_px // CHAR_PX)
+    wrapped = textwrap.wrap(caption, chars, break_long_words=True) or [""]
+    if len(wrapped) > lines:
+        wrapped = wrapped[:lines]
+        wrapped[-1] = wrapped[-1][: chars - 3] + "..."
+    return wrapped
 
 
 def image_sheet(images, captions: list[str], columns: int = 4, tile: int = 128) -> Image.Image:
-    """Images (N, 3, H, W) in [0, 1] (video: the first frame) in a grid with captions."""
+    """Images (N, 3, H, W) in [0, 1] (video: the first frame) in a grid, each with its
+    caption wrapped underneath and a 4-px gutter between tiles."""
     n = len(images)
     rows = max(1, math.ceil(n / columns))
-    sheet = Image.new("RGB", (tile * columns, (tile + 14) * rows), (255, 255, 255))
+    gap, text_h = 4, CAPTION_LINES * LINE_PX + 2
+    cell_w, cell_h = tile + gap, tile + text_h + gap
+    sheet = Image.new("RGB", (cell_w * columns + gap, cell_h * rows + gap), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for i, (image, caption) in enumerate(zip(images, captions)):
         frame = image[0] if image.ndim == 4 else image
         arr = (frame.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
-        x, y = (i % columns) * tile, (i // columns) * (tile + 14)
+        x, y = gap + (i % columns) * cell_w, gap + (i // columns) * cell_h
         sheet.paste(Image.fromarray(arr).resize((tile, tile), Image.NEAREST), (x, y))
-        draw.text((x + 2, y + tile + 1), caption[:tile // 6], fill=(0, 0, 0))
+        draw.rectangle((x - 1, y - 1, x + tile, y + tile), outline=(160, 160, 160))
+        for j, line in enumerate(wrap_caption(caption, tile)):
+            draw.text((x, y + tile + 2 + j * LINE_PX), line, fill=(0, 0, 0))
     return sheet

@@ -22,6 +22,7 @@ from diffrl.algorithms import compute_advantages, get_objective
 from diffrl.algorithms.solrl import SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
+from diffrl.console import closing_lines, eval_line, progress_fields, say
 from diffrl.data import load_prompts, plan_step
 from diffrl.evaluation import evaluate, spaced_subset
 from diffrl.metrics import MetricsLogger, StageClock
@@ -38,8 +39,28 @@ from rewards.combine import MultiReward
 
 def make_accelerator(cfg: Config) -> Accelerator:
     project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs"))
-    trackers = cfg.logging.trackers or None
+    trackers = installed_trackers(cfg.logging.trackers) or None
     return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
+
+
+_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet_ml": "comet_ml", "mlflow": "mlflow",
+                     "aim": "aim", "clearml": "clearml", "dvclive": "dvclive"}
+
+
+def installed_trackers(names: list[str], log=print) -> list[str]:
+    """The configured trackers whose package is installed; each missing one is a note
+    (metrics.jsonl is written in any case), not a crash mid-start."""
+    import importlib.util
+
+    kept = []
+    for name in names:
+        package = _TRACKER_PACKAGES.get(name, name)
+        if importlib.util.find_spec(package) is None:
+            log(f"note: logging.trackers names '{name}' but it is not installed (pip install {package}); "
+                "logging to metrics.jsonl only for it")
+        else:
+            kept.append(name)
+    return kept
 
 
 def make_lr_scheduler(optimizer, cfg: Config, total_steps: int):
@@ -263,6 +284,7 @@ class Trainer:
         history = []
         if cfg.eval.at_start and self.step == 0:
             history.append(logger.log(0, self.evaluate()))
+            say(self.acc, eval_line(0, history[-1], self.headline_metrics()))
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (cfg.logging.progress_bar and self.acc.is_local_main_process),
                    desc="train")
         while self.step < cfg.train.max_steps:
@@ -271,16 +293,21 @@ class Trainer:
             self.step += 1
             self._watch_updates(metrics, before)
             last = self.step == cfg.train.max_steps
-            if cfg.eval.every and (self.step % cfg.eval.every == 0 or last):
+            evaluated = cfg.eval.every and (self.step % cfg.eval.every == 0 or last)
+            if evaluated:
                 metrics.update(self.evaluate())
             history.append(logger.log(self.step, metrics))
+            if evaluated:
+                say(self.acc, eval_line(self.step, history[-1], self.headline_metrics()))
             bar.update(1)
-            bar.set_postfix(reward=f"{float(metrics['reward/mean']):.4g}", loss=f"{metrics.get('loss', float('nan')):.3g}")
+            bar.set_postfix(progress_fields(history[-1]))
             if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                 ckpt.save_checkpoint(self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep)
         bar.close()
         self.acc.wait_for_everyone()
         self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
+        found = ckpt.list_checkpoints(run_dir)
+        self.acc.print(closing_lines(run_dir, found[-1][1] if found else None))
         self.acc.end_training()
         return history
 
@@ -291,7 +318,7 @@ class Trainer:
             c.iterations_without_update = 0
             return
         c.iterations_without_update += 1
-        self.acc.print(no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
+        say(self.acc, no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
         found = ckpt.list_checkpoints(self.cfg.run_dir)
         check_stalled(c.iterations_without_update, self.cfg.train.max_skipped_iterations,
                       str(found[-1][1]) if found else None)

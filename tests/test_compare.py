@@ -6,12 +6,14 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
 
 from diffrl.compare import CompareError
+from diffrl.compare_report import GAP, LABEL_H
 from diffrl.config import load_config
 from diffrl.data import PromptFileError
 from diffrl.models import build_adapter
@@ -54,7 +56,11 @@ def test_grid_html_and_jsonl_have_the_right_shape_and_identical_checkpoints_matc
     assert len(rows) == 12 and {r["checkpoint"] for r in rows} == {"base", "a", "b"}
     tile = tiles[(0, 0, "a")].image
     grid = Image.open(tmp_path / "out" / "grid.png")
-    assert grid.size == (3 * tile.shape[-1], 4 * (tile.shape[-2] + 44))
+    w, h = tile.shape[-1], tile.shape[-2]  # 3 columns x 4 rows of tiles with gutters and captions
+    assert grid.size == (GAP + 3 * (w + GAP), GAP + 4 * (h + LABEL_H + GAP))
+    # the gutters are white and each tile has a border: tiles never run together
+    pixels = np.asarray(grid)
+    assert (pixels[:, : GAP - 1] == 255).all() and (pixels[GAP - 1, GAP - 1: GAP + w] == 150).all()
     page = (tmp_path / "out" / "index.html").read_text()
     body = page.split("<tbody>")[1]
     assert body.count("<tr>") == 4 and body.count("<img ") == 12
@@ -110,7 +116,8 @@ def test_video_tiles_become_frame_strips_and_gifs(tmp_path):
     video = out["tiles"][0].image
     assert video.ndim == 4  # (F, 3, H, W)
     frames = min(4, video.shape[0])
-    assert Image.open(tmp_path / "out" / "grid.png").size == (2 * frames * video.shape[-1], video.shape[-2] + 44)
+    assert Image.open(tmp_path / "out" / "grid.png").size == (GAP + 2 * (frames * video.shape[-1] + GAP),
+                                                               GAP + video.shape[-2] + LABEL_H + GAP)
     assert (tmp_path / "out" / "index.html").read_text().count("data:image/gif;base64,") == 2
 
 

@@ -4,7 +4,9 @@ fixed-noise sample sheet per step."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from diffrl.config import load_config
@@ -56,4 +58,18 @@ def test_every_evaluation_writes_a_sample_sheet(tmp_path):
     Trainer(cfg).fit()
     sheets = sorted(p.name for p in (tmp_path / "samples").glob("*.png"))
     assert sheets == ["step-0.png", "step-1.png"]
-    assert Image.open(tmp_path / "samples" / "step-0.png").size[0] == 4 * 128
+    assert Image.open(tmp_path / "samples" / "step-0.png").size[0] == 4 + 4 * (128 + 4)  # 4 tiles, 4-px gutters
+
+
+def test_sheet_captions_wrap_instead_of_being_cut():
+    from diffrl.plots import CHAR_PX, image_sheet, wrap_caption
+
+    caption = "s0 0.67 a yellow circle to the left of a purple triangle"
+    lines = wrap_caption(caption, 128)
+    assert " ".join(lines) == caption and all(len(line) * CHAR_PX <= 128 for line in lines)
+    long = wrap_caption("word " * 200, 128)
+    assert len(long) == 3 and long[-1].endswith("...")
+    sheet = image_sheet(torch.rand(2, 3, 8, 8), [caption, "x"], columns=2, tile=128)
+    # three caption lines fit under each tile: the caption band below the tiles holds ink
+    band = np.asarray(sheet.convert("L"))[4 + 128 + 2:, 4:4 + 128]
+    assert (band < 128).any(axis=1).sum() >= 3 * 7  # at least three lines of ~7-px glyphs

@@ -82,3 +82,15 @@ def test_ctrl_c_stops_without_a_traceback_and_names_the_checkpoint_to_resume(tmp
     monkeypatch.setattr(Trainer, "train_step", real)
     assert _cli(run, "--set", "train.max_steps=4", "--resume", "latest") == 0
     assert _steps(run) == [1, 2, 3, 4]
+
+
+def test_tensorboard_is_on_by_default_and_a_missing_tracker_is_a_note(tmp_path):
+    from diffrl.trainer import installed_trackers
+
+    run = tmp_path / "run"
+    assert load_config("toy_flowgrpo").logging.trackers == ["tensorboard"]
+    assert _cli(run) == 0
+    assert list((run / "logs").rglob("events.out.tfevents.*")), "no TensorBoard event file"
+    notes = []
+    assert installed_trackers(["tensorboard", "no_such_tracker"], log=notes.append) == ["tensorboard"]
+    assert notes and "'no_such_tracker' but it is not installed" in notes[0]

@@ -15,6 +15,7 @@ random weights; any other value is a local directory written by ``save_pretraine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -172,6 +173,24 @@ class ToyPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
         return VaeImageProcessor.numpy_to_pil(images.permute(0, 2, 3, 1).cpu().numpy())
 
 
+@contextlib.contextmanager
+def _quiet_loading():
+    """Turn off diffusers' and transformers' loading progress bars, then restore them."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    d_on, t_on = dlog.is_progress_bar_enabled(), tlog.is_progress_bar_enabled()
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if d_on:
+            dlog.enable_progress_bar()
+        if t_on:
+            tlog.enable_progress_bar()
+
+
 class ToyAdapter(SD3Adapter):
     """Flow-RL adapter of :class:`ToyPipeline`; the transformer call, schedule and LoRA
     targets are SD3's (same class); latents are pixels."""
@@ -194,7 +213,8 @@ class ToyAdapter(SD3Adapter):
                 raise ModelLoadError(f"the shipped toy model is missing from '{SHIPPED}'; restore assets/toy_model "
                                      "from git or rebuild it with scripts/pretrain_toy.py")
             model_cfg = dataclasses.replace(model_cfg, pretrained=str(SHIPPED))
-        adapter = super().from_pretrained(model_cfg)
+        with _quiet_loading():  # 9 MB load in a blink: the loaders' progress bars are noise here
+            adapter = super().from_pretrained(model_cfg)
         size = adapter.transformer.config.sample_size
         if (model_cfg.height, model_cfg.width) != (size, size):
             raise ModelLoadError(f"toy model '{model_cfg.pretrained}' generates {size}x{size} pixels; set "
