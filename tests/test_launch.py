@@ -51,7 +51,7 @@ def test_dry_run_prints_plan_and_builds_nothing(tmp_path):
 
 @pytest.mark.parametrize("args,expected", [
     (["--config", "no_such_config"], "Shipped configs:"),
-    (["--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"], "Did you mean 'max_steps'"),
+    (["--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"], "--set train.max_stepz: unknown key 'train.max_stepz'. Did you mean 'train.max_steps'"),
     (["--config", "tiny_flux_flowgrpo", "--set", "rewards=[{name: hpsv9}]"], "unknown reward 'hpsv9'"),
     (["--config", "tiny_flux_flowgrpo", "--set", "data.train_prompts=missing.txt"], "does not exist"),
     (["--config", "tiny_flux_flowgrpo", "--resume", "latest", "--set", "output_dir=/nonexistent/x"],
@@ -151,3 +151,14 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     assert model.returncode == 2 and "Traceback" not in model.stderr
     assert "could not load FluxPipeline from 'black-forest-labs/FLUX.1-dev'" in model.stderr
     assert "model.pretrained: DIR" in model.stderr
+
+
+def test_under_accelerate_launch_q_our_error_is_the_last_line():
+    """accelerate launch adds its own CalledProcessError traceback when the script fails;
+    with -q (what the README uses) the user's last line is ours."""
+    out = _run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--cpu", "--num_processes", "1",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "scripts/train.py", "--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"])
+    assert out.returncode != 0
+    last = [line for line in out.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: --set train.max_stepz: unknown key") and "Traceback" not in out.stderr
