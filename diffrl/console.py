@@ -63,6 +63,9 @@ def closing_lines(run_dir: Path, last_checkpoint: Path | None) -> str:
     if (run_dir / "logs").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'logs'}")
     lines.append(f"checkpoint:  {last_checkpoint}" if last_checkpoint else "checkpoint:  none saved")
-    lines.append(f"report:      python scripts/report.py {run_dir} --out {run_dir / 'report'}"
+    from diffrl.data import PROJECT_ROOT
+
+    script = PROJECT_ROOT / "scripts" / "report.py"  # absolute: the run may start from any directory
+    lines.append(f"report:      python {script} {run_dir} --out {run_dir / 'report'}"
                  f"  (writes {run_dir / 'report' / 'report.png'} and summary.md)")
     return "\n".join(lines)
