@@ -59,15 +59,24 @@ def resolve_resume(spec: str, run_dir: Path, log=print) -> Path:
             raise CheckpointError(f"--resume {spec}: {problem}; pass a complete checkpoint directory such as "
                                   f"{checkpoint_root(run_dir)}/step-N, or --resume latest")
         return path
-    found = list_checkpoints(run_dir)
-    for _, path in reversed(found):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        log(f"note: --resume latest skips {path}: {problem}")
-    what = "no complete checkpoint" if found else "no checkpoints"
+    latest = latest_complete(run_dir, log=lambda path, problem: log(f"note: --resume latest skips {path}: {problem}"))
+    if latest is not None:
+        return latest[1]
+    what = "no complete checkpoint" if list_checkpoints(run_dir) else "no checkpoints"
     raise CheckpointError(f"--resume latest: {what} under {checkpoint_root(run_dir)}; start over with --overwrite, "
                           "or pass a checkpoint directory")
+
+
+def latest_complete(run_dir: Path, log=None) -> tuple[int, Path] | None:
+    """(step, path) of the newest complete checkpoint of the run, or None; ``log(path,
+    problem)`` is told of each damaged newer one that was passed over."""
+    for step, path in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return step, path
+        if log is not None:
+            log(path, problem)
+    return None
 
 
 def checkpoint_problem(path: Path) -> str | None:

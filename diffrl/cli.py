@@ -93,14 +93,14 @@ def main(argv=None) -> int:
 def _interrupted_message(cfg) -> str:
     """Ctrl-C: no traceback, and whether there is a checkpoint to continue from (one being
     written when the key was pressed is never half-kept: saves are atomic)."""
-    from diffrl.checkpoint import checkpoint_problem, list_checkpoints
+    from diffrl.checkpoint import latest_complete
 
     if cfg is None:
         return "interrupted"
-    complete = [(step, path) for step, path in list_checkpoints(cfg.run_dir) if checkpoint_problem(path) is None]
-    if not complete:
+    latest = latest_complete(cfg.run_dir)
+    if latest is None:
         return f"interrupted: no checkpoint was saved in {cfg.run_dir}; start again with --overwrite"
-    step, path = complete[-1]
+    step, path = latest
     return (f"interrupted: the last checkpoint is {path} (after iteration {step}); continue with "
             f"--resume latest and the same --config and --set")
 
@@ -108,14 +108,10 @@ def _interrupted_message(cfg) -> str:
 def _check_inputs(cfg) -> None:
     """What a real start checks before loading weights: reward names and argument names,
     and the prompt files (for ``--dry-run``)."""
-    import rewards
     from diffrl.data import load_prompts
+    from rewards.combine import check_reward_specs
 
-    names = [r.name for r in cfg.rewards]
-    if len(set(names)) != len(names):
-        raise rewards.RewardArgsError(f"rewards: each reward may appear once, got {names}; merge the duplicates")
-    for spec in cfg.rewards:
-        rewards.check(spec.name, **dict(spec.args))
+    check_reward_specs(cfg.rewards)
     load_prompts(cfg.data.train_prompts)
     if cfg.eval.every or cfg.eval.at_start:
         load_prompts(cfg.data.eval_prompts)

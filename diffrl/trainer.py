@@ -43,20 +43,15 @@ def make_accelerator(cfg: Config) -> Accelerator:
     return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
 
 
-_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet_ml": "comet_ml", "mlflow": "mlflow",
-                     "aim": "aim", "clearml": "clearml", "dvclive": "dvclive"}
-
-
 def installed_trackers(names: list[str], log=print) -> list[str]:
     """The configured trackers whose package is installed; each missing one is a note
     (metrics.jsonl is written in any case), not a crash mid-start."""
     import importlib.util
 
     kept = []
-    for name in names:
-        package = _TRACKER_PACKAGES.get(name, name)
-        if importlib.util.find_spec(package) is None:
-            log(f"note: logging.trackers names '{name}' but it is not installed (pip install {package}); "
+    for name in names:  # accelerate's tracker names are their packages' import names
+        if importlib.util.find_spec(name) is None:
+            log(f"note: logging.trackers names '{name}' but it is not installed (pip install {name}); "
                 "logging to metrics.jsonl only for it")
         else:
             kept.append(name)
@@ -306,8 +301,8 @@ class Trainer:
         bar.close()
         self.acc.wait_for_everyone()
         self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
-        found = ckpt.list_checkpoints(run_dir)
-        self.acc.print(closing_lines(run_dir, found[-1][1] if found else None))
+        latest = ckpt.latest_complete(run_dir)
+        self.acc.print(closing_lines(run_dir, latest[1] if latest else None))
         self.acc.end_training()
         return history
 
@@ -319,9 +314,9 @@ class Trainer:
             return
         c.iterations_without_update += 1
         say(self.acc, no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
-        found = ckpt.list_checkpoints(self.cfg.run_dir)
+        latest = ckpt.latest_complete(self.cfg.run_dir)
         check_stalled(c.iterations_without_update, self.cfg.train.max_skipped_iterations,
-                      str(found[-1][1]) if found else None)
+                      str(latest[1]) if latest else None)
 
     def headline_metrics(self) -> tuple[str, ...]:
         """Listed first in the summary: a verifier's strict score (``<reward>_strict``, as

@@ -11,14 +11,26 @@ class RewardPromptError(ValueError):
     """A prompt list contains prompts a configured reward cannot score."""
 
 
+def _check_unique(names: list[str]) -> None:
+    if len(set(names)) != len(names):
+        raise rewards.RewardArgsError(f"rewards: each reward may appear once, got {names}; merge the "
+                                      "duplicates into one entry")
+
+
+def check_reward_specs(specs) -> None:
+    """Everything :class:`MultiReward` checks before it builds, with no weights loaded
+    (``--dry-run``): each reward once, known names, known argument names."""
+    _check_unique([s.name for s in specs])
+    for s in specs:
+        rewards.check(s.name, **dict(s.args))
+
+
 class MultiReward:
     """Build each configured reward once and combine them: total = sum_k w_k r_k."""
 
     def __init__(self, specs):
         self.names = [s.name for s in specs]
-        if len(set(self.names)) != len(self.names):
-            raise rewards.RewardArgsError(f"rewards: each reward may appear once, got {self.names}; merge the "
-                                          "duplicates into one entry")
+        _check_unique(self.names)
         self.weights = torch.tensor([float(s.weight) for s in specs])
         self.models = [rewards.build(s.name, **dict(s.args)) for s in specs]
 

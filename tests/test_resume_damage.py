@@ -43,6 +43,8 @@ DAMAGE = {
     "bad meta.json": (lambda c: (c / "meta.json").write_text("{\"step\": "), "meta.json is damaged"),
     "truncated weights": (lambda c: _truncate(c / "trainable.safetensors"), "trainable.safetensors has"),
     "no optimizer": (lambda c: (c / "optimizer.bin").unlink(), "optimizer.bin is missing"),
+    # not a safetensors file: only the sizes meta.json recorded at save time can tell
+    "truncated optimizer": (lambda c: _truncate(c / "optimizer.bin"), "optimizer.bin has"),
     "empty directory": (lambda c: [f.unlink() for f in c.iterdir()], "the directory is empty"),
 }
 
