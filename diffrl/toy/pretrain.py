@@ -57,13 +57,19 @@ class PretrainConfig:
     caption_noise: float = 0.0  # probability that an image violates one clause of its caption
     init: str | None = None  # a saved toy model directory to continue from (None: random init)
     sigma_location: float = 0.0  # m of the logit-normal(m, 1) sigma density; m > 0 favours high noise
+    kind_weights: str = "1,1,1"  # relative frequency of count, pair and relation captions
 
 
-def batch_captions(prompts_by_kind: list[list[str]], rnd: random.Random, n: int, dropout: float):
-    """``n`` (spec caption, conditioning caption) pairs, kinds drawn uniformly."""
+def batch_captions(prompts_by_kind: list[list[str]], rnd: random.Random, n: int, dropout: float,
+                   kind_weights: list[float] | None = None):
+    """``n`` (spec caption, conditioning caption) pairs, kinds drawn uniformly or in
+    proportion to ``kind_weights`` (one per :data:`grammar.KINDS`)."""
+    uniform = kind_weights is None or len(set(kind_weights)) == 1
     out = []
     for _ in range(n):
-        caption = rnd.choice(rnd.choice(prompts_by_kind))
+        # uniform weights keep the original draw (rnd.choice), so old runs replay bitwise
+        kind = rnd.choice(prompts_by_kind) if uniform else rnd.choices(prompts_by_kind, kind_weights)[0]
+        caption = rnd.choice(kind)
         out.append((caption, "" if rnd.random() < dropout else caption))
     return out
 
@@ -133,7 +139,7 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     for step in range(1, cfg.steps + 1):
         rnd = random.Random(f"{cfg.seed}-{step}")
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        pairs = batch_captions(by_kind, rnd, cfg.batch_size, cfg.caption_dropout)
+        pairs = batch_captions(by_kind, rnd, cfg.batch_size, cfg.caption_dropout, kind_weights(cfg))
         # its own stream, so that caption_noise = 0 draws exactly the batches it always did
         specs = scene_specs([c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
         x0 = render_batch(specs, rnd, cfg.resolution, cfg.grid or None)
@@ -173,6 +179,18 @@ def _initial_pipeline(cfg: PretrainConfig) -> ToyPipeline:
     return pipe
 
 
+def kind_weights(cfg: PretrainConfig) -> list[float]:
+    """``cfg.kind_weights`` as floats, one per kind in :data:`grammar.KINDS`."""
+    try:
+        weights = [float(w) for w in cfg.kind_weights.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != len(grammar.KINDS) or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"--kind-weights must be {len(grammar.KINDS)} non-negative numbers for "
+                         f"{', '.join(grammar.KINDS)} (for example 1,1,2), got '{cfg.kind_weights}'")
+    return weights
+
+
 def _validate(cfg: PretrainConfig) -> None:
     patch = 8  # build_components' default patch size
     if cfg.resolution % patch or cfg.resolution < 2 * patch:
@@ -183,6 +201,7 @@ def _validate(cfg: PretrainConfig) -> None:
         raise ValueError(f"--prediction must be 'x0' or 'velocity', got '{cfg.prediction}'")
     if not 0.0 <= cfg.caption_noise < 1.0:
         raise ValueError(f"--caption-noise must be in [0, 1), got {cfg.caption_noise}")
+    kind_weights(cfg)
     if cfg.init is not None and not (Path(cfg.init) / "model_index.json").is_file():
         raise ValueError(f"--init '{cfg.init}' is not a saved toy model (no model_index.json there)")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:

@@ -174,3 +174,69 @@ def test_pretrain_script_rejects_bad_arguments_in_one_line(capsys):
     assert "--caption-noise must be in [0, 1)" in capsys.readouterr().err
     assert script.main(["--init", "/nonexistent/model"]) == 2
     assert "is not a saved toy model" in capsys.readouterr().err
+
+
+def test_kind_weights_set_the_share_of_each_caption_kind_and_uniform_keeps_the_old_draws():
+    import random
+    from collections import Counter
+
+    from diffrl.toy.pretrain import batch_captions
+
+    train, _ = grammar.split()
+    by_kind = [[p for p in train if grammar.parse(p).kind == k] for k in grammar.KINDS]
+    kinds = Counter(grammar.parse(c).kind for c, _ in batch_captions(by_kind, random.Random(0), 3000, 0.0,
+                                                                     [0.0, 1.0, 3.0]))
+    assert kinds["count"] == 0
+    assert abs(kinds["relation"] / 3000 - 0.75) < 0.03  # binomial sd 0.008
+    # equal weights of any size replay the draws of the unweighted sampler exactly
+    assert batch_captions(by_kind, random.Random(5), 50, 0.1, [2.0, 2.0, 2.0]) == \
+        batch_captions(by_kind, random.Random(5), 50, 0.1)
+
+
+@pytest.mark.parametrize("weights", ["1,1", "1,-1,1", "0,0,0", "a,b,c"])
+def test_pretrain_script_rejects_bad_kind_weights(weights, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_toy.py"
+    spec = importlib.util.spec_from_file_location("pretrain_toy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--kind-weights", weights, "--out", "/nonexistent"]) == 2
+    assert "--kind-weights must be 3 non-negative numbers for count, pair, relation" in capsys.readouterr().err
+
+
+def test_relation_probe_reads_placement_from_pixels_as_the_renderer_drew_it():
+    import random
+
+    import numpy as np
+
+    from diffrl.toy import relation_probe as probe
+    from diffrl.toy.shapeworld import render
+
+    prompts = probe.relation_prompts("train", 24)
+    rnd = random.Random(0)
+    for relation, right, below in [("to the left of", 1.0, None), ("to the right of", 0.0, None),
+                                   ("above", None, 1.0), ("below", None, 0.0)]:
+        asked = [probe.with_relation(p, relation) for p in prompts]
+        pixels = np.stack([render(grammar.parse(p), rnd, 32, 8) for p in asked])
+        row = probe.placement(asked, torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255)
+        assert row["n"] == 24  # every rendered object is found once
+        assert row["b_right_of_a" if right is not None else "b_below_a"] == (right if right is not None else below)
+
+
+def test_relation_probe_sensitivity_isolates_the_relation_word():
+    from diffrl.models import tiny
+    from diffrl.models.toy import build_components
+    from diffrl.toy import relation_probe as probe
+
+    with tiny.seeded(0):
+        pipe = ToyPipeline(**build_components())
+    prompts = probe.relation_prompts("heldout", 3)
+    moved = probe.sensitivity(pipe, prompts)
+    assert moved["first_colour"] > 0 and moved["relation_word"] > 0
+    # a text encoder deaf to left/right makes the relation-word change exactly 0
+    encode = pipe.text_embeddings
+    pipe.text_embeddings = lambda captions: encode([c.replace(" right ", " left ") for c in captions])
+    deaf = probe.sensitivity(pipe, prompts)
+    assert deaf["relation_word"] == 0.0 and deaf["first_colour"] == moved["first_colour"]
