@@ -98,16 +98,24 @@ class TreeConfig:
     split_steps: list[int] = _f([0, 3, 6, 9], "Denoising steps at which every node branches (BranchGRPO).")
     branch_factors: list[int] = _f([2], "Children per split: one per split step, or one value for all.")
     split_noise_scale: float = _f(
-        1.0, "Multiplies the step rule's noise level at split steps (the log-prob uses the scaled std)."
+        1.0, "Noise scale at split steps; tree.split_noise says what it multiplies."
+    )
+    split_noise: Literal["level", "draw"] = _f(
+        "level", "'level': multiply the step rule's noise level (drift and log-prob use the scaled std, a proper "
+                 "SDE step); 'draw': multiply only the drawn noise, as BranchGRPO's reference code does."
     )
     reward_fusion: Literal["mean", "prob_weighted"] = _f(
         "mean", "Internal node reward: mean of its leaves, or softmax(child log-prob / T)-weighted mean."
     )
     fusion_temperature: float = _f(1.0, "Temperature T of the prob_weighted fusion softmax.")
-    width_pruning: Literal["none", "best_worst", "best_per_branch"] = _f(
-        "none", "After the last split, train only the best+worst leaves per tree, or the best of each sibling set."
+    width_pruning: Literal["none", "best_worst", "best_per_branch", "chain_prefix", "batch_best_worst"] = _f(
+        "none", "After the last split, train only the best+worst leaves per tree, or the best of each sibling set; "
+                "chain_prefix / batch_best_worst are the BranchGRPO reference's modes 1 / 2 (docs/ALGORITHMS.md)."
     )
-    width_keep_fraction: float = _f(0.5, "Fraction of leaves (per tree, or per sibling set) whose edges are trained.")
+
+    width_keep_fraction: float = _f(0.5, "Fraction of leaves (per tree, or per sibling set) whose edges are trained; "
+                                         "for chain_prefix of each chain's post-split edges, for batch_best_worst of "
+                                         "the batch's post-split edges.")
     depth_pruning: list[int] = _f([], "Denoising steps whose edges are not backpropagated (the rollout is unchanged).")
     loss_weighting: Literal["edge", "depth"] = _f(
         "edge", "Every trained edge weighs the same (BranchGRPO), or every denoising step does (as independent rollouts)."
@@ -168,7 +176,10 @@ class AdvantageConfig:
     estimator: Literal["group", "global_std", "median", "decoupled"] = _f(
         "group", "group mean/std, group mean with global std, median-centred (MC-GRPO), or per-reward (GDPO)."
     )
-    eps: float = _f(1e-4, "Added to the std before dividing.")
+    eps: float = _f(1e-4, "Added to the std before dividing (DanceGRPO / BranchGRPO: 1e-8).")
+    std: Literal["population", "sample"] = _f(
+        "population", "Std convention: 'population' (ddof 0, flow_grpo) or 'sample' (ddof 1, torch.std, as "
+                      "DanceGRPO and BranchGRPO; with eps 1e-8 it is their normalisation).")
     filter_zero_std: bool = _f(True, "Drop groups whose rewards are all equal; they carry no signal.")
 
 
@@ -182,8 +193,9 @@ class ObjectiveConfig:
     kl_type: Literal["exact", "flow_grpo"] = _f(
         "exact", "'exact' Gaussian KL ||mu-mu_ref||^2/(2 std^2), std^2 = std_t^2 (-dt); 'flow_grpo' divides by 2 std_t^2 instead."
     )
-    logprob_reduction: Literal["mean", "sum"] = _f(
-        "mean", "Reduce the per-element Gaussian log-density over latent dims by mean (flow_grpo) or sum."
+    logprob_reduction: Literal["mean", "sum", "flow_grpo"] = _f(
+        "mean", "Reduce the per-element Gaussian log-density over latent dims by mean (flow_grpo) or sum; "
+                "'flow_grpo': flow_grpo's own log-probs (mean, except cps: -mean((x'-mu)^2) without 1/(2 std^2))."
     )
     train_cfg: bool = _f(True, "Apply CFG when recomputing velocities for the loss (as in the rollout).")
     anchor_coef: float = _f(0.0, "Velocity anchor on the steps the objective does not train (outside the SDE window): "
@@ -191,9 +203,12 @@ class ObjectiveConfig:
                                  "Keeps the untrained low-noise steps from drifting (docs/ALGORITHMS.md).")
     anchor_fraction: float = _f(0.25, "Share of the untrained steps anchored per micro-batch (keyed random subset).")
     nft_beta: float = _f(1.0, "DiffusionNFT: step size beta of the implicit positive/negative policies.")
-    nft_old_decay_flat: int = _f(0, "DiffusionNFT old policy: iterations with decay 0 (old = current) before the ramp.")
-    nft_old_decay_rate: float = _f(0.001, "DiffusionNFT old policy: decay grows by this per iteration after the flat part.")
+    nft_old_decay_flat: int = _f(0, "DiffusionNFT old policy: optimizer steps with decay 0 (old = current) before the ramp.")
+    nft_old_decay_rate: float = _f(0.001, "DiffusionNFT old policy: decay grows by this per optimizer step after the flat part.")
     nft_old_decay_max: float = _f(0.5, "DiffusionNFT old policy: the decay stops growing here.")
+    nft_sample_with: Literal["current", "old"] = _f(
+        "current", "DiffusionNFT: roll out with the trained weights ('current') or with the old policy's "
+                   "('old', as the reference does; not with Sol-RL, whose exploration copy follows the trained weights).")
 
 
 @dataclass

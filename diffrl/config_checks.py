@@ -42,6 +42,9 @@ def check(cfg) -> None:
     if obj.nft_beta <= 0 or obj.nft_old_decay_flat < 0 or obj.nft_old_decay_rate < 0 or not 0 <= obj.nft_old_decay_max < 1:
         raise ConfigError("objective.nft_beta must be > 0, nft_old_decay_flat and nft_old_decay_rate >= 0, "
                           "nft_old_decay_max in [0, 1)")
+    if obj.nft_sample_with == "old" and (obj.name != "nft" or cfg.solrl.enabled):
+        raise ConfigError("objective.nft_sample_with old needs objective.name nft and no solrl (Sol-RL explores "
+                          "with its own copy of the trained weights)")
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
@@ -73,9 +76,11 @@ def _check_tree(cfg) -> None:
         raise ConfigError(f"tree.depth_pruning must list step indices in [0, {steps}), got {tree.depth_pruning}")
     if tree.depth_pruning_slide_every < 0 or not 0 <= tree.depth_pruning_stop < steps:
         raise ConfigError(f"tree.depth_pruning_slide_every must be >= 0 and tree.depth_pruning_stop in [0, {steps})")
-    if cfg.sampling.sde_type == "cps" and (cfg.sampling.noise_level * tree.split_noise_scale > 1 or steps - 1 in splits):
+    level_scale = tree.split_noise_scale if tree.split_noise == "level" else 1.0
+    if cfg.sampling.sde_type == "cps" and (cfg.sampling.noise_level * level_scale > 1 or steps - 1 in splits):
         # cps: std = sigma_next sin(a pi / 2) grows with a only up to a = 1, and is 0 at the last step
-        raise ConfigError("with sampling.sde_type cps, sampling.noise_level * tree.split_noise_scale must be <= 1 "
+        raise ConfigError("with sampling.sde_type cps and tree.split_noise level, sampling.noise_level * "
+                          "tree.split_noise_scale must be <= 1 "
                           f"and no split may be at the last step ({steps - 1})")
     if tree.reward_fusion == "prob_weighted" and cfg.objective.logprob_reduction == "sum":
         raise ConfigError("tree.reward_fusion prob_weighted needs objective.logprob_reduction mean: with sum, the "

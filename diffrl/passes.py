@@ -7,14 +7,15 @@ transitions.
 
 * Independent trajectories (:func:`sample_major`): the process's samples are shuffled
   (keyed by seed, iteration and epoch), cut into micro-batches, and each micro-batch is
-  trained on a keyed subset of the trainable steps (``objective.timestep_fraction``),
-  as flow_grpo does.
+  trained on a keyed subset of max(1, int(fraction * n)) of its n trainable steps
+  (``objective.timestep_fraction``), as flow_grpo and DiffusionNFT do (rounded down).
 * Trees (:func:`edge_major`): the trained edges of each step are shuffled and spread
   evenly over the optimizer steps (a step with fewer edges than optimizer steps fills
   them round-robin from a step-dependent offset; an optimizer step left with no edge at
   all is dropped). The number of passes depends only on per-step edge counts, which are
   the same on every process (DDP needs the same forwards everywhere).
-  ``timestep_fraction`` keeps that share of each step's edges. Masked edges (zero-
+  ``timestep_fraction`` keeps that share of each step's edges (rounded up, so a step
+  with one edge keeps it). Masked edges (zero-
   variance groups, median pivots) count as zero losses. With ``tree.loss_weighting:
   edge`` every edge of an optimizer step weighs the same (BranchGRPO), and wide late
   steps dominate; with ``depth`` each step present in the optimizer step gets an equal
@@ -49,9 +50,17 @@ def optimizer_steps_per_epoch(samples: int, cfg) -> int:
     return math.ceil(math.ceil(samples / cfg.train.micro_batch_size) / cfg.train.gradient_accumulation)
 
 
-def train_timesteps(trainable: list[int], fraction: float, *key) -> list[int]:
-    """A keyed random subset of ceil(fraction * len) trainable steps, in time order."""
-    k = max(1, math.ceil(fraction * len(trainable)))
+def trained_step_count(fraction: float, n: int) -> int:
+    """Steps trained per sample out of ``n``: max(1, int(fraction * n)), rounded down as
+    flow_grpo (``scripts/train_sd3.py``: ``int(num_steps * timestep_fraction)``) and
+    DiffusionNFT do, so fraction 0.99 of 10 steps trains 9."""
+    return max(1, int(fraction * n))
+
+
+def train_timesteps(trainable: list[int], fraction: float, *key, round_up: bool = False) -> list[int]:
+    """A keyed random subset of :func:`trained_step_count` trainable steps (ceil(fraction
+    * len) with ``round_up``), in time order."""
+    k = max(1, math.ceil(fraction * len(trainable))) if round_up else trained_step_count(fraction, len(trainable))
     if k >= len(trainable):
         return list(trainable)
     perm = torch.randperm(len(trainable), generator=rng.generator(*key))[:k]
@@ -78,7 +87,7 @@ def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int,
         if anchored:
             extra = [(idx, t) for j, idx in chunk
                      for t in train_timesteps(anchored, cfg.objective.anchor_fraction, cfg.seed, "anchor", step,
-                                              epoch, start, j)]
+                                              epoch, start, j, round_up=True)]
             passes += [Pass(idx, t, (1, len(extra)), anchor=True) for idx, t in extra]
         groups.append(passes)
     return groups

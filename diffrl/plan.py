@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from diffrl.config import ConfigError
+from diffrl.passes import trained_step_count
 from diffrl.sampling.windows import step_kinds
 
 # latent elements per pixel-area unit: (channels, spatial downsampling, packs frames?)
@@ -75,7 +76,7 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     sde_steps = sum(k != "ode" for k in kinds)
     # NFT noises x0 afresh (forward process), so every step's sigma can be trained
     usable = steps if cfg.objective.name == "nft" else sde_steps
-    trained_steps = max(1, math.ceil(cfg.objective.timestep_fraction * usable)) if usable else 0
+    trained_steps = trained_step_count(cfg.objective.timestep_fraction, usable) if usable else 0
     cfg_mult = 2 if _uses_cfg(cfg) else 1
     micro_batches = math.ceil(per_process / cfg.train.micro_batch_size)
     opt_steps = cfg.train.num_inner_epochs * math.ceil(micro_batches / cfg.train.gradient_accumulation)

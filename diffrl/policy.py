@@ -136,22 +136,24 @@ class EMA:
 
 
 class OldPolicy(EMA):
-    """DiffusionNFT's old policy: an EMA of the trainable weights with a decay that ramps
-    per iteration, 0 for the first ``flat`` iterations, then min(rate * (i - flat),
-    max) (the reference implementation's schedule). :meth:`refresh` is called once per
-    iteration, after the update, so within an iteration the old policy is fixed; decay
-    0 makes it the policy that will sample the next iteration."""
+    """DiffusionNFT's old policy: an EMA of the trainable weights whose decay ramps with
+    the number s of optimizer steps completed: 0 while s < ``flat``, then
+    min(rate * (s - flat), max) (NVlabs/DiffusionNFT, ``scripts/train_nft_sd3.py:
+    return_decay``, evaluated at its ``global_step`` after each epoch's update).
+    :meth:`refresh` is called once per iteration, after the update, so within an
+    iteration the old policy is fixed; decay 0 makes it the policy that will sample the
+    next iteration."""
 
     def __init__(self, params: list[torch.nn.Parameter], flat: int, rate: float, maximum: float):
         super().__init__(params, decay=0.0)
         self.flat, self.rate, self.maximum = flat, rate, maximum
 
-    def decay_at(self, iteration: int) -> float:
-        return 0.0 if iteration < self.flat else min(self.rate * (iteration - self.flat), self.maximum)
+    def decay_at(self, optimizer_steps: int) -> float:
+        return 0.0 if optimizer_steps < self.flat else min(self.rate * (optimizer_steps - self.flat), self.maximum)
 
     @torch.no_grad()
-    def refresh(self, iteration: int) -> None:
-        decay = self.decay_at(iteration)
+    def refresh(self, optimizer_steps: int) -> None:
+        decay = self.decay_at(optimizer_steps)
         for s, p in zip(self.shadow, self.params):
             s.lerp_(p.detach().float(), 1.0 - decay)
         self.updates += 1

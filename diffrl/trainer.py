@@ -140,12 +140,17 @@ class Trainer:
                     "comps": out.components, "logs": out.logs, "extra": out.metrics,
                     "nfe": out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]}
         clock = StageClock(self.acc.device)
-        with clock.stage("rollout"), torch.no_grad(), self.acc.autocast():
+        # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
+        weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
+        with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights:
             traj = self.strategy(self.adapter, self.rollout_model, cond, local.keys, cfg, iteration=step)
         with clock.stage("reward"):
             total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
         return {"groups": local.group_ids, "cond": cond, "traj": traj, "total": total, "comps": comps,
                 "logs": logs, "extra": clock.metrics, "nfe": traj.nfe}
+
+    def samples_with_old_policy(self) -> bool:
+        return self.old_policy is not None and self.cfg.objective.nft_sample_with == "old"
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate ``t`` over processes along dim 0; lengths may differ (Sol-RL
@@ -162,7 +167,8 @@ class Trainer:
         """Gather rewards and group ids from every process and normalise over whole groups."""
         all_total, all_groups = self.gather(total), self.gather(groups)
         adv = compute_advantages(all_total, all_groups, self.cfg.advantage.estimator, self.cfg.advantage.eps,
-                                 self.cfg.advantage.filter_zero_std, self.gather(comps), self.reward_fn.weights)
+                                 self.cfg.advantage.filter_zero_std, self.gather(comps), self.reward_fn.weights,
+                                 self.cfg.advantage.std)
         n, rank = len(total), self.acc.process_index
         sl = slice(rank * n, (rank + 1) * n)
         return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction, adv.dropped_groups
@@ -237,7 +243,9 @@ class Trainer:
                 metrics.update(self.updater.run(traj, cond, adv, keep, step, train))
             metrics.update(self.across_processes(clock.metrics))
         if self.old_policy is not None:
-            self.old_policy.refresh(step)
+            # DiffusionNFT's schedule is a function of the optimizer steps completed so far
+            # (its global_step after this epoch's update), not of the iteration index
+            self.old_policy.refresh(self.counters.optimizer_steps)
         metrics.update({"skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
                         "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,
                         "optimizer_steps": self.counters.optimizer_steps, "lr": self.scheduler.get_last_lr()[0]})

@@ -58,3 +58,31 @@ def test_tiny_twin_and_full_size_exclude_each_other(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", "flux_solrl", "--tiny-twin", "--full-size"])
     assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_sd35_flowgrpo_regularises_as_flow_grpo_does_on_its_own_schedule():
+    """flow_grpo's beta weighs mean((mu - mu_ref)^2) / (2 std_dev_t^2) with std_dev_t =
+    a sqrt(sigma / (1 - sigma)) (1 - sigma_1 at sigma = 1): the config must give that per
+    step, not the exact KL, which is 1 / (-dt) times larger."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from diffrl.sampling.sde import gaussian_kl, step_mean_std
+
+    cfg = load_config("sd35_flowgrpo")
+    a, n = cfg.sampling.noise_level, cfg.sampling.num_steps
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's scheduler config
+    sched.set_timesteps(n)
+    sigmas = sched.sigmas.float()
+    gen = torch.Generator().manual_seed(0)
+    x, v = torch.randn(2, 16, generator=gen), torch.randn(2, 16, generator=gen)
+    ratios = []
+    for t in range(n):
+        s, s_next = float(sigmas[t]), float(sigmas[t + 1])
+        mu_p, std, std_t = step_mean_std("sde", x, v, s, s_next, a, sigma_1=float(sigmas[1]))
+        mu_q, _, _ = step_mean_std("sde", x, 0.9 * v, s, s_next, a, sigma_1=float(sigmas[1]))
+        ours = gaussian_kl(mu_p, mu_q, std, std_t, cfg.objective.kl_type)
+        denominator = 1 - (float(sigmas[1]) if s == 1.0 else s)
+        reference = ((mu_p - mu_q) ** 2).mean(dim=1) / (2 * a**2 * s / denominator)
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=0)
+        ratios.append(float(gaussian_kl(mu_p, mu_q, std, std_t, "exact")[0] / reference[0]))
+    assert min(ratios) > 3 and max(ratios) > 100  # what kl_type: exact would have done

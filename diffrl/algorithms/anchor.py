@@ -12,6 +12,8 @@ on the rollout's own states x_t^i at untrained steps t, with v_ref the reference
 (LoRA disabled, or the frozen copy). It is the velocity-space KL that DiffusionNFT (Zheng
 et al. 2025, Sec. 3) adds to its loss, applied where the policy-gradient loss is absent;
 for two Gaussians of equal std it is proportional to their KL (Flow-GRPO, Eq. 11).
+
+No reference implementation: this term is ours (issue 15).
 """
 
 from __future__ import annotations

@@ -9,6 +9,15 @@ Per trained denoising step t and sample i:
 A is clipped to [-adv_clip_max, adv_clip_max]. The KL between the two Gaussian
 transitions with equal std is ||mu_theta - mu_ref||^2 / (2 std^2) (``exact``), or
 flow_grpo's variant dividing by std_t^2 (``flow_grpo``); see ``diffrl.sampling.sde``.
+
+Reference: yifan123/flow_grpo, ``scripts/train_sd3.py`` (the clipped loss, the KL as
+``mean((mu - mu_ref)^2) / (2 std_dev_t^2)``, ``num_train_timesteps = int(num_steps *
+timestep_fraction)``), with ``sd3_sde_with_logprob.py`` for the step and its log-prob
+(tests/test_reference_parity.py compares with outputs of that code). Deliberate
+deviations: ``kl_type: exact`` (default) is the true Gaussian KL, 1 / (-dt) times
+flow_grpo's, so reference hyper-parameters need ``kl_type: flow_grpo``
+(configs/sd35_flowgrpo.yaml); the log-prob convention is the true density unless
+``logprob_reduction: flow_grpo`` (which differs for ``cps`` only).
 """
 
 from __future__ import annotations

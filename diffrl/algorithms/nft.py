@@ -22,6 +22,25 @@ kl_coef * mean ||v_theta - v_ref||^2 is added.
 
 The old policy is an EMA of the trained weights refreshed once per iteration
 (:class:`diffrl.policy.OldPolicy`): decay 0 makes it the policy that sampled.
+
+Reference: NVlabs/DiffusionNFT, ``scripts/train_nft_sd3.py`` (loss lines 864-970,
+``return_decay``). The loss, r, the adaptive weight, the KL term and the old-policy
+schedule (in optimizer steps) match its outputs to fp32 rounding
+(tests/test_reference_parity.py). Deliberate deviations, each one setting away from the
+reference:
+
+* the reference samples rollouts with the old (EMA) weights; we sample with the trained
+  ones unless ``objective.nft_sample_with: old`` (they agree while the decay is 0);
+* zero-variance groups (all rewards equal, r = 1/2) are dropped by our default
+  ``advantage.filter_zero_std: true``; the reference keeps them, where they pull
+  v_theta toward v_old (set it false to match);
+* the reference uses per-prompt mean and the std of all rewards (our ``global_std``
+  estimator), our default estimator is ``group``; its ``kl_coef`` is 1e-4, ours 0;
+* timesteps: the same grid (the sampler's sigmas) and the same count, int(fraction * N);
+  the reference draws a subset per sample and mixes sigmas within a forward, we draw one
+  subset per micro-batch so a forward has one sigma (the same distribution);
+* with CFG (guidance > 1) we train the guided velocity (``objective.train_cfg``); the
+  reference's NFT configs sample without CFG.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ the pool's order.
 A candidate whose exploration reward is not finite (a reward model's NaN) ranks as its
 row's finite median, so the extreme-seeking rules take it last rather than first (a
 descending sort puts NaN on top); its regenerated sample is scored again in any case.
+
+Reference: Sol-RL's top-k plus bottom-k selection (NVlabs/Sana, ``sol_rl``) is
+``best_worst``; ``max_variance`` and ``random`` are ours.
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ The exploration copy is marked stale after every optimizer step and re-synced (L
 merged, weights and scales re-quantized) before it is next used: the copy is read only
 when a pool is explored, so this equals syncing after every step without re-quantizing
 the whole model once per optimizer step.
+
+Reference: NVlabs/Sana, Sol-RL (``sol_rl``): its pools explore with an NVFP4/FP8 copy
+and a deterministic ODE, then regenerate the contrastive subset in BF16 from the same
+initial noise, as ``explore: ode`` does here. Deliberate extensions, not in the
+reference: tree and SDE-replay pools (``explore: replay``), which regenerate the exact
+trajectories rather than only the seeds.
 """
 
 from __future__ import annotations

@@ -10,14 +10,26 @@
 * **Depth-wise advantages** (Sec. 3.2): fused rewards are normalised among the nodes of
   one tree at one depth, with any core estimator (``group``, ``median``,
   ``decoupled``, ...): the (tree, depth) pair is the group. The edge into a node trains
-  with that node's advantage. Stds are population stds (the reference uses ddof=1).
+  with that node's advantage. Stds follow ``advantage.std`` / ``advantage.eps``: the
+  reference's ``compute_hierarchical_advantages_by_depth`` is ``std: sample`` with
+  ``eps: 1e-8`` (it also zeroes a group whose std is below 1e-6).
 * **Pruning** (Sec. 3.3) removes edges from backprop only; the rollout, the rewards and
   the fused values are computed from the full tree.
 
   - *Width*: after the last split each node has one leaf below it; the edges after the
     last split (steps > last split) are kept only for the best + worst leaves of each
     tree (``best_worst``) or for the best of each sibling set of the last split
-    (``best_per_branch``).
+    (``best_per_branch``). These are our modes. The reference's own two modes
+    (Fredreic1849/BranchGRPO, ``fastvideo/train_branchgrpo_flux.py``, width pruning in
+    ``train_one_step_tree``) are offered under their own names and keep other edges:
+    ``chain_prefix`` (its mode 1) keeps the first max(1, int(L * fraction)) of the L
+    post-split edges of every root-to-leaf chain whatever the rewards (its groups are
+    single chains, whose edges all tie in advantage, and a stable sort keeps the
+    earliest); ``batch_best_worst`` (its mode 2) ranks every post-split edge of every
+    tree on this process by advantage (ties in tree, leaf, step order) and keeps the
+    best k // 2 and the worst k - k // 2, k = max(2, int(n * fraction)), so whole chains
+    of the batch's extremes, unevenly per tree, and a chain cut at the boundary keeps
+    its earliest (best side) or latest (worst side) steps.
   - *Depth*: edges at the listed denoising steps are skipped; with
     ``depth_pruning_slide_every = k`` the set moves one step earlier every k iterations,
     down to ``depth_pruning_stop``. (The reference counts the child's depth, step + 1.)
@@ -100,7 +112,7 @@ def width_kept_leaves(tree, leaf_rewards: torch.Tensor, mode: str, fraction: flo
         best, worst = max(1, int(size * fraction)), 0
         groups = leaf_rewards.reshape(-1, size)
     else:
-        raise ValueError(f"unknown tree.width_pruning '{mode}'; valid: none, best_worst, best_per_branch")
+        raise ValueError(f"unknown tree.width_pruning '{mode}'; valid: {', '.join(WIDTH_MODES)}")
     # stable sort by reward, ties by leaf order, so the choice is deterministic
     order = torch.sort(groups.double(), dim=1, descending=True, stable=True).indices
     chosen = torch.zeros_like(groups, dtype=torch.bool)
@@ -111,8 +123,38 @@ def width_kept_leaves(tree, leaf_rewards: torch.Tensor, mode: str, fraction: flo
     return chosen.flatten()
 
 
-def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor) -> torch.Tensor:
-    """(N,) bool: nodes whose incoming edge is backpropagated this iteration."""
+WIDTH_MODES = ("none", "best_worst", "best_per_branch", "chain_prefix", "batch_best_worst")
+
+
+def _chain_prefix(candidates: torch.Tensor, chain: torch.Tensor, step_of: torch.Tensor, fraction: float):
+    """BranchGRPO mode 1: the first max(1, int(L * fraction)) candidate edges of each chain."""
+    kept = torch.zeros_like(candidates)
+    for c in torch.unique(chain[candidates]).tolist():
+        idx = torch.nonzero(candidates & (chain == c)).flatten()
+        idx = idx[torch.argsort(step_of[idx], stable=True)]
+        kept[idx[:max(1, int(len(idx) * fraction))]] = True
+    return kept
+
+
+def _batch_best_worst(candidates: torch.Tensor, chain: torch.Tensor, step_of: torch.Tensor,
+                      advantages: torch.Tensor, fraction: float):
+    """BranchGRPO mode 2: rank every candidate edge of the batch by advantage (ties in
+    chain, then step order, as the reference's depth-first list) and keep both ends."""
+    idx = torch.nonzero(candidates).flatten()
+    dfs = idx[torch.argsort(chain[idx] * (int(step_of.max()) + 1) + step_of[idx], stable=True)]
+    ranked = dfs[torch.argsort(-advantages[dfs].double(), stable=True)]
+    k = max(2, int(len(ranked) * fraction))
+    kept = torch.zeros_like(candidates)
+    kept[ranked[:k // 2]] = True
+    kept[ranked[len(ranked) - (k - k // 2):]] = True
+    return kept
+
+
+def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor,
+                  advantages: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) bool: nodes whose incoming edge is backpropagated this iteration.
+    ``advantages`` (N,), the depth-wise advantage of each node, is needed by
+    ``batch_best_worst`` only."""
     spec = tree.spec
     step_of = tree.depth - 1
     stochastic = torch.tensor([k != "ode" for k in tree.step_kinds] + [False])[step_of.clamp(min=0)]
@@ -121,32 +163,48 @@ def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor) ->
     pruned = depth_pruned_steps(tree_cfg, iteration)
     if pruned:
         mask &= ~torch.isin(step_of, torch.tensor(sorted(pruned)))
-    if tree_cfg.width_pruning != "none" and spec.last_split >= 0:
-        kept = width_kept_leaves(tree, leaf_rewards, tree_cfg.width_pruning, tree_cfg.width_keep_fraction)
-        after = step_of > spec.last_split
-        # after the last split a node's ordinal is its leaf's ordinal
-        leaf_of = torch.where(after, tree.tree * spec.leaves + tree.ordinal, torch.zeros_like(tree.ordinal))
-        mask &= ~after | kept[leaf_of]
-    return mask
+    mode = tree_cfg.width_pruning
+    if mode == "none" or spec.last_split < 0:
+        return mask
+    after = step_of > spec.last_split
+    # after the last split a node's ordinal is its leaf's ordinal: one chain per leaf
+    leaf_of = torch.where(after, tree.tree * spec.leaves + tree.ordinal, torch.zeros_like(tree.ordinal)).cpu()
+    if mode == "chain_prefix":
+        return mask & (~after | _chain_prefix(mask & after, leaf_of, step_of.cpu(), tree_cfg.width_keep_fraction))
+    if mode == "batch_best_worst":
+        if advantages is None:
+            raise ValueError("tree.width_pruning batch_best_worst ranks edges by advantage: pass advantages")
+        kept = _batch_best_worst(mask & after, leaf_of, step_of.cpu(), advantages.cpu(), tree_cfg.width_keep_fraction)
+        return mask & (~after | kept)
+    kept = width_kept_leaves(tree, leaf_rewards, mode, tree_cfg.width_keep_fraction)
+    return mask & (~after | kept[leaf_of])
 
 
 def trained_edge_counts(spec, kinds: list[str], tree_cfg, iteration: int = 0) -> list[int]:
     """Closed form of the trained edges of one tree per step (the run plan uses it; a test
-    checks it against :func:`trained_edges`)."""
+    checks it against :func:`trained_edges`). ``batch_best_worst`` depends on the rewards
+    of the whole batch; its count is the even share, as if whole chains were kept."""
     pruned = depth_pruned_steps(tree_cfg, iteration)
-    width = tree_cfg.width_pruning != "none" and spec.last_split >= 0
-    if tree_cfg.width_pruning == "best_worst":
-        kept = max(2, int(spec.leaves * tree_cfg.width_keep_fraction))
-    elif width:
+    mode, fraction = tree_cfg.width_pruning, tree_cfg.width_keep_fraction
+    width = mode != "none" and spec.last_split >= 0
+    live = [t for t, kind in enumerate(kinds) if kind != "ode" and spec.nodes_at(t + 1) > 1 and t not in pruned]
+    post = [t for t in live if t > spec.last_split]
+    if mode in ("best_worst", "batch_best_worst"):
+        kept = max(2, int(spec.leaves * fraction))
+    elif mode == "best_per_branch":
         b = spec.factors[spec.last_split]
-        kept = max(1, int(b * tree_cfg.width_keep_fraction)) * (spec.leaves // b)
+        kept = max(1, int(b * fraction)) * (spec.leaves // b)
+    prefix = set(post[:max(1, int(len(post) * fraction))])  # chain_prefix: the same steps in every chain
     counts = []
-    for t, kind in enumerate(kinds):
-        n = spec.nodes_at(t + 1)
-        if kind == "ode" or n == 1 or t in pruned:
+    for t in range(len(kinds)):
+        if t not in live:
             counts.append(0)
+        elif not width or t <= spec.last_split:
+            counts.append(spec.nodes_at(t + 1))
+        elif mode == "chain_prefix":
+            counts.append(spec.leaves if t in prefix else 0)
         else:
-            counts.append(kept if width and t > spec.last_split else n)
+            counts.append(kept)
     return counts
 
 
@@ -183,12 +241,12 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
     # both out, or they would pull down the batch std of decoupled / global estimators
     informative = multi_node(groups)
     adv = compute_advantages(fused[informative, 0], groups[informative], acfg.estimator, acfg.eps,
-                             acfg.filter_zero_std, fused[informative, 1:], weights)
+                             acfg.filter_zero_std, fused[informative, 1:], weights, acfg.std)
     full_adv = torch.zeros(len(groups))
     full_keep = torch.zeros(len(groups), dtype=torch.bool)
     full_adv[informative], full_keep[informative] = adv.values, adv.keep
     sl = owner.cpu() == rank
-    train = trained_edges(tree, tcfg, iteration, leaf_total.cpu())
+    train = trained_edges(tree, tcfg, iteration, leaf_total.cpu(), full_adv[sl])
     filtered = _zero_variance_share(fused[:, 0], groups)
     return TreeCredit(full_adv[sl], full_keep[sl], train, fused[sl, 0].float(), filtered, adv.dropped_groups)
 

@@ -7,7 +7,7 @@ at a local diffusers directory. Nothing here touches the network at import time.
 
 ``PipelineAdapter`` holds what the four families (flux, sd3, sana, wan) have in common:
 freezing the pipeline and classifier-free guidance as one batched forward. LoRA saving
-(``FlowAdapter.save_lora``) lives in the base class. ``flow_sigmas`` is the schedule of
+(``FlowAdapter.save_lora``) lives in the base class. ``scheduler_sigmas`` is the schedule of
 the families whose pipelines sample with DPM-Solver/UniPC over flow sigmas (sana, wan).
 """
 
@@ -131,20 +131,19 @@ def module_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(p.dtype for p in bare.parameters() if p.is_floating_point())
 
 
-def flow_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """Shifted flow-matching sigmas 1 -> 0: the timestep shift of Esser et al. 2024 (SD3), as
-    diffusers applies ``flow_shift``; computed in fp64 so sigma_0 is exactly 1."""
-    s = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
-    sig = shift * s / (1 + (shift - 1) * s)
-    return torch.cat([sig, sig.new_zeros(1)]).to(torch.float32)
-
-
-def scheduler_shift(scheduler) -> float:
-    """``flow_shift`` of DPM-Solver/UniPC flow schedulers, else FlowMatchEuler's ``shift``."""
-    config = scheduler.config
-    if config.get("flow_shift") is not None:
-        return float(config["flow_shift"])
-    return float(config.get("shift", 1.0))
+def scheduler_sigmas(scheduler, num_steps: int) -> torch.Tensor:
+    """The pipeline scheduler's own sigma grid for ``num_steps`` (N + 1 values, fp32),
+    from a fresh copy so the pipeline's scheduler keeps its state. DPM-Solver and UniPC
+    build different grids from ``flow_shift`` (DPM-Solver: shift(1 - linspace(1, 1/T,
+    N + 1)) flipped, first value 0.9997 at shift 3; UniPC: shift(linspace(1, 1/T, N + 1)[:-1])
+    with 1 - 1e-6 first); reading it from the scheduler matches either exactly. A grid that
+    does not end at 0 (``final_sigmas_type: sigma_min``) is ended at 0 so that rollouts
+    return clean samples."""
+    fresh = type(scheduler).from_config(scheduler.config)
+    fresh.set_timesteps(num_steps)
+    sigmas = fresh.sigmas.detach().to("cpu", torch.float32).clone()
+    sigmas[-1] = 0.0
+    return sigmas
 
 
 class PipelineAdapter(FlowAdapter):

@@ -5,11 +5,11 @@ SANA (Xie et al. 2024) is a linear-attention DiT over a deep-compression autoenc
 
 Schedule: SanaPipeline samples with DPM-Solver++ over *flow* sigmas
 (``use_flow_sigmas=True``, ``flow_shift``). Our SDE/ODE steps are Euler-type steps on
-the same flow, so we use that flow's sigmas directly on a uniform grid,
-``sigma_i = shift * s / (1 + (shift - 1) * s)`` with ``s = linspace(1, 1/N, N)`` and 0
-appended. DPM-Solver's own grid is the same up to a factor 1 - 1/1000 on ``s`` (it starts
-just below pure noise) and it feeds the transformer integer-rounded timesteps; ours
-starts at exactly sigma = 1 and keeps the timestep continuous (``sigma * 1000``).
+the same flow at exactly the pipeline's sigmas (``scheduler_sigmas``: the scheduler's own
+``set_timesteps`` grid, which starts at shift(1 - 1/1000), 0.9997 at shift 3, and ends at
+0). Deliberate deviation: the transformer gets the continuous timestep
+``sigma * 1000 * timestep_scale``; the pipeline passes the scheduler's int64 timesteps,
+truncated (999 for 999.67), a change below 1/1000 of the timestep range.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from diffrl.models.base import Conditioning
 from diffrl.models.loading import (
     PipelineAdapter,
     finalize_pipeline,
-    flow_sigmas,
     module_dtype,
-    scheduler_shift,
+    scheduler_sigmas,
     unwrap,
 )
 
@@ -147,8 +146,8 @@ class SanaAdapter(PipelineAdapter):
         return (self.transformer.config.in_channels, self.cfg.height // vsf, self.cfg.width // vsf)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """Flow sigmas of the scheduler's ``flow_shift`` on a uniform grid (see module doc)."""
-        return flow_sigmas(num_steps, scheduler_shift(self.pipe.scheduler))
+        """The pipeline scheduler's own flow-sigma grid (see module doc)."""
+        return scheduler_sigmas(self.pipe.scheduler, num_steps)
 
     # -- model --------------------------------------------------------------------------
     def _forward(self, transformer, latents, sigma, emb):

@@ -6,10 +6,10 @@ conditioned on UMT5 states (zero-padded past each prompt's length), with CFG. La
 are normalised per channel by the VAE's ``latents_mean`` / ``latents_std``.
 
 Schedule: Wan samples with UniPC over flow sigmas (``flow_shift``, 3.0 at 480p and 5.0
-at 720p). As for SANA we use that flow's sigmas on a uniform grid,
-``sigma_i = shift * s / (1 + (shift - 1) * s)``, ``s = linspace(1, 1/N, N)``, then 0,
-so the Euler-type SDE step starts from pure noise (sigma = 1); UniPC's own grid is the same
-up to a factor 1 - 1/1000 and rounds the transformer's timesteps to integers.
+at 720p). Our SDE/ODE steps use exactly the pipeline's sigmas (``scheduler_sigmas``: UniPC's
+own grid, shift(linspace(1, 1/1000, N + 1)[:-1]) with its first value 1 - 1e-6, then 0).
+Deliberate deviation: the transformer gets the continuous timestep ``sigma * 1000``; the
+pipeline truncates it to an integer (a change below 1/1000 of the range).
 Wan 2.2 features (a second low-noise transformer, per-token timesteps) are not used.
 """
 
@@ -23,9 +23,8 @@ from diffrl.models.base import Conditioning
 from diffrl.models.loading import (
     PipelineAdapter,
     finalize_pipeline,
-    flow_sigmas,
     module_dtype,
-    scheduler_shift,
+    scheduler_sigmas,
 )
 
 
@@ -101,8 +100,8 @@ class WanAdapter(PipelineAdapter):
         return (channels, self.latent_frames(), self.cfg.height // vsf, self.cfg.width // vsf)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """Flow sigmas of the scheduler's ``flow_shift`` on a uniform grid (see module doc)."""
-        return flow_sigmas(num_steps, scheduler_shift(self.pipe.scheduler))
+        """The pipeline scheduler's own flow-sigma grid (see module doc)."""
+        return scheduler_sigmas(self.pipe.scheduler, num_steps)
 
     # -- model --------------------------------------------------------------------------
     def _forward(self, transformer, latents, sigma, emb):

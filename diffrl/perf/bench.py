@@ -60,7 +60,7 @@ def tree_vs_independent(adapter, cfg, schedules, prompts: int, repeats: int) -> 
 
     rows = []
     for splits, factors in schedules:
-        spec = TreeSpec.build(cfg.sampling.num_steps, splits, factors, cfg.tree.split_noise_scale)
+        spec = TreeSpec.build(cfg.sampling.num_steps, splits, factors, cfg.tree.split_noise_scale, cfg.tree.split_noise)
         keys = [(0, 0, g, s) for g in range(prompts) for s in range(spec.leaves)]
         cond = adapter.encode_prompts([F.PROMPTS[k[2] % len(F.PROMPTS)] for k in keys])
         out = {}

@@ -6,12 +6,24 @@ with low-precision numerics on any device, including CPU in CI.
 * **FP8 E4M3** (OCP "e4m3fn": 4 exponent bits, bias 7, 3 mantissa bits, no infinities,
   max 448, subnormals down to 2^-9). Values are scaled by amax / 448 per tensor or per
   row, rounded to nearest with ties to even (torch's ``float8_e4m3fn`` cast), and
-  saturated at +-448.
+  saturated at +-448. The scaled value x * 448 / amax is computed in fp64, where it is
+  exact whenever the true quotient is an E4M3 tie (x * 448 needs at most 27 bits), so
+  ties round to even as the format says: x = -2.90625 at amax 3.875 is exactly -336 and
+  becomes code 320. modelopt's fake-quantization path (``tensor_quant.fp8_eager``,
+  x * (448 / amax)) rounds that tie the same way; its export path, x / (amax / 448) in
+  fp32, sees -336.00003 and gives 352.
 * **NVFP4** (NVIDIA's 4-bit float; DESIGN.md): E2M1 values {0, 0.5, 1, 1.5, 2, 3, 4, 6}
   in blocks of 16 along the last dim, each block with an E4M3 scale, plus one FP32 scale
   per tensor, amax / (6 * 448). A block's scale is e4m3(amax_block / (6 * tensor_scale)),
-  so it fits E4M3's range; elements are rounded half to even onto the E2M1 grid and
-  saturate at 6. An all-zero block (or tensor) stays zero.
+  clamped to [2^-9, 448] before the cast as modelopt's ``NVFP4QTensor`` does (and so real
+  NVFP4 checkpoints): a tiny block next to a huge one keeps E4M3's smallest subnormal
+  scale instead of being flushed to zero. A block whose amax is 0 gets scale 1 (modelopt
+  too). Elements are rounded half to even onto the E2M1 grid and saturate at 6. An
+  all-zero tensor stays zero (modelopt returns NaN there: 0 / 0 in its block scale).
+
+Reference: nvidia-modelopt 0.47.0, ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``
+(``get_weights_scaling_factor(_2)``, ``quantize``) and ``tensor_quant.py``; tests compare
+with its outputs (``tests/fixtures/reference/modelopt.json``).
 """
 
 from __future__ import annotations
@@ -26,9 +38,14 @@ NVFP4_BLOCK = 16
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E4M3 value (ties to even), saturating at +-448, as fp32."""
-    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    """Nearest E4M3 value (ties to even), saturating at +-448, as fp32 (fp64 in stays
+    fp64 up to the cast, so an exact tie is not moved by an fp32 rounding first)."""
+    x = x if x.dtype == torch.float64 else x.float()
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +69,10 @@ def fake_fp8(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
     """E4M3 with an FP32 scale amax / 448 per tensor (or per row, over the last dim)."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True) if per_row else x.abs().amax()
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return round_e4m3(x / scale) * scale
+    amax = torch.where(amax > 0, amax, torch.full_like(amax, E4M3_MAX)).double()
+    # x * 448 is exact in fp64 and the division rounds once, so exact ties stay exact
+    codes = round_e4m3(x.double() * E4M3_MAX / amax)
+    return (codes.double() * amax / E4M3_MAX).float()
 
 
 def nvfp4_scales(x: torch.Tensor, per_sample: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +90,11 @@ def _scales_of_blocks(blocks: torch.Tensor, per_sample: bool) -> tuple[torch.Ten
         amax = block_amax.amax()
     tensor_scale = amax / (E2M1_MAX * E4M3_MAX)
     safe = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
-    block_scale = round_e4m3(block_amax / (E2M1_MAX * safe))
-    return tensor_scale, block_scale
+    block_scale = block_amax / (E2M1_MAX * safe)
+    # modelopt: a zero scale becomes 1, and the rest is clamped to E4M3's range before
+    # the cast, so a tiny block keeps the smallest subnormal scale 2^-9 instead of 0
+    block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
+    return tensor_scale, round_e4m3(block_scale.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
 
 
 def fake_nvfp4(x: torch.Tensor, per_sample: bool = False) -> torch.Tensor:
@@ -81,8 +103,8 @@ def fake_nvfp4(x: torch.Tensor, per_sample: bool = False) -> torch.Tensor:
     blocks = _blocks(x.float())
     tensor_scale, block_scale = _scales_of_blocks(blocks, per_sample)
     scale = (block_scale * tensor_scale).unsqueeze(-1)  # (..., blocks, 1)
-    # a zero scale (an all-zero block, or one flushed below E4M3's smallest subnormal)
-    # divides by 1 instead and multiplies back by 0
+    # a zero scale (only an all-zero tensor's: tensor scale 0) divides by 1 instead and
+    # multiplies back by 0
     q = round_e2m1(blocks / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale
     return q.reshape(*shape[:-1], -1)[..., :n]
 

@@ -5,7 +5,8 @@ pure noise, velocity v = x1 - x0, and dt = sigma_next - sigma < 0. Everything he
 in fp32. Four step rules:
 
 * ``sde`` — Flow-GRPO (Liu et al. 2025, Eq. 9-10). std_t = a sqrt(sigma / (1 - sigma)),
-  with 1 - sigma replaced by 1 - sigma_1 at sigma = 1;
+  with 1 - sigma replaced by 1 - sigma_1 on the grid's first step (flow_grpo does it at
+  sigma = 1; see ``step_mean_std``);
   mean = x + [v + std_t^2 / (2 sigma) (x + (1 - sigma) v)] dt; x' = mean + std_t sqrt(-dt) eps.
 * ``cps`` — coefficient-preserving sampling: std = sigma_next sin(a pi / 2);
   mean = x0_hat (1 - sigma_next) + x1_hat sqrt(sigma_next^2 - std^2).
@@ -16,8 +17,20 @@ in fp32. Four step rules:
 Log-prob reduction: the per-element Gaussian log-density is reduced over all non-batch
 dims by ``mean`` (default, as flow_grpo and DanceGRPO do: the ratio exp(dlogp) then does
 not scale with resolution, so one clip range works across model sizes) or by ``sum``
-(the true log-density of the transition). Steps whose std is 0 have log-prob 0 and are
-marked untrainable by the rollout.
+(the true log-density of the transition). ``flow_grpo`` is flow_grpo's own convention
+(yifan123/flow_grpo, ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``): ``mean``
+for every rule except ``cps``, whose reference log-prob is -mean((x' - mean)^2), without
+the 1 / (2 std^2) and the constants. A log-ratio under it is the density's times 2 std^2
+(1.46, 0.58 and 1.3e-4 at steps 0, 5 and 8 of a 10-step shift-3 schedule at a = 0.7), so
+one clip range is a much looser constraint late in the schedule than under ``mean``.
+Steps whose std is 0 have log-prob 0 and are marked untrainable by the rollout, under
+every convention (flow_grpo would still score the last cps step, whose std is 0).
+
+References: the ``sde`` and ``cps`` steps and the ``flow_grpo`` KL follow
+yifan123/flow_grpo (``sd3_sde_with_logprob.py``, ``scripts/train_sd3.py``), ``dance``
+follows XueZeyue/DanceGRPO (``fastvideo/train_grpo_flux.py: flux_step``); tests compare
+them with the reference code's outputs (``tests/fixtures/reference``). Deliberate
+deviation: the sde step's first-step rule (``step_mean_std``).
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 STEP_KINDS = ("sde", "cps", "dance", "ode")
+LOGPROB_REDUCTIONS = ("mean", "sum", "flow_grpo")
 
 
 @dataclass
@@ -60,7 +74,12 @@ def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next
         zero = torch.zeros_like(s)
         return x + v * dtb, zero, zero
     if kind == "sde":
-        denom_sigma = torch.where(s >= 1.0, torch.full_like(s, sigma_1 if sigma_1 is not None else 0.0), s)
+        # flow_grpo (sd3_sde_with_logprob) uses 1 - sigma_1 where sigma = 1, which would divide
+        # by zero. DPM-Solver / UniPC grids (SANA, Wan) start just below 1 (0.9997, 0.999999),
+        # where 1 - sigma is as harmful (std_t 55x, 1000x a); "above sigma_1" is the first step
+        # of any decreasing grid, and is exactly "sigma = 1" on the FLUX / SD3 grids.
+        first = s >= 1.0 if sigma_1 is None else s > sigma_1
+        denom_sigma = torch.where(first, torch.full_like(s, sigma_1 if sigma_1 is not None else 0.0), s)
         std_t = noise_level * torch.sqrt(s / (1.0 - denom_sigma))
         stb = _bcast(std_t, x)
         mean = x + (v + stb**2 / (2 * sb) * (x + (1 - sb) * v)) * dtb
@@ -82,13 +101,18 @@ def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduction: str = "mean"):
     """Log N(x; mean, std^2) per element, reduced over non-batch dims. std (B,) > 0."""
     stb = _bcast(std, x)
+    if reduction not in LOGPROB_REDUCTIONS:
+        raise ValueError(f"logprob reduction must be one of {', '.join(LOGPROB_REDUCTIONS)}, got '{reduction}'")
     elem = -((x - mean) ** 2) / (2 * stb**2) - torch.log(stb) - 0.5 * math.log(2 * math.pi)
     dims = tuple(range(1, x.ndim))
-    if reduction == "mean":
-        return elem.mean(dim=dims)
-    if reduction == "sum":
-        return elem.sum(dim=dims)
-    raise ValueError(f"logprob reduction must be 'mean' or 'sum', got '{reduction}'")
+    return elem.sum(dim=dims) if reduction == "sum" else elem.mean(dim=dims)
+
+
+def step_log_prob(kind: str, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduction: str = "mean"):
+    """The step's log-prob under ``reduction`` (see the module docstring for ``flow_grpo``)."""
+    if reduction == "flow_grpo" and kind == "cps":
+        return -((x - mean) ** 2).mean(dim=tuple(range(1, x.ndim)))
+    return gaussian_log_prob(x, mean, std, reduction)
 
 
 def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float, *,
@@ -105,11 +129,11 @@ def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_l
     next_latents = next_latents.float()
     safe = std > 0
     if bool(safe.all()):
-        log_prob = gaussian_log_prob(next_latents.detach(), mean, std, reduction)
+        log_prob = step_log_prob(kind, next_latents.detach(), mean, std, reduction)
     else:  # deterministic rows have no density; give them 0 so they drop out of ratios
         log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         if bool(safe.any()):
-            log_prob = log_prob.index_put((safe,), gaussian_log_prob(
+            log_prob = log_prob.index_put((safe,), step_log_prob(kind,
                 next_latents.detach()[safe], mean[safe], std[safe], reduction))
     return StepResult(next_latents, mean, std, std_t, log_prob)
 
@@ -120,11 +144,12 @@ def gaussian_kl(mean_p: torch.Tensor, mean_q: torch.Tensor, std: torch.Tensor, s
 
     ``exact``: ||mu_p - mu_q||^2 / (2 std^2) with std the transition std (std_t sqrt(-dt)
     for the Flow-GRPO SDE). ``flow_grpo``: divides by 2 std_t^2 instead, as the
-    flow_grpo reference code does (smaller by a factor -dt). Reduced like the log-prob.
+    flow_grpo reference code does (smaller by a factor -dt). Summed under the ``sum``
+    reduction, else averaged (flow_grpo averages).
     """
     denom = std if kind == "exact" else std_t
     if kind not in ("exact", "flow_grpo"):
         raise ValueError(f"kl_type must be 'exact' or 'flow_grpo', got '{kind}'")
     sq = (mean_p.float() - mean_q.float()) ** 2 / (2 * _bcast(denom, mean_p) ** 2)
     dims = tuple(range(1, mean_p.ndim))
-    return sq.mean(dim=dims) if reduction == "mean" else sq.sum(dim=dims)
+    return sq.sum(dim=dims) if reduction == "sum" else sq.mean(dim=dims)

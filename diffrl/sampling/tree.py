@@ -18,10 +18,19 @@ edge into a node at depth t+1 with ordinal j draws ``(*root, j, "sde", t)``. Wit
 everywhere that is exactly the independent sampler's draw for sample 0 (tested bit for
 bit), and any stored root-to-leaf path replays through :func:`rollout.denoise`.
 
-Split-noise scale: the step rule's noise level is multiplied by ``split_noise_scale`` at
-split steps, so the drift correction and the log-prob both use the scaled std (the
-transition stays a proper SDE step). The reference code scales only the drawn noise and
-keeps the unscaled std in the log-prob.
+Split-noise scale (``tree.split_noise``): with ``level`` (the default) the step rule's noise
+level is multiplied by ``split_noise_scale`` at split steps, so the drift correction and
+the log-prob both use the scaled std: the transition stays a proper SDE step and its
+log-prob is the density of what was sampled. With ``draw`` only the drawn noise is scaled
+and the drift and log-prob keep the unscaled std, as the BranchGRPO reference does
+(Fredreic1849/BranchGRPO, ``fastvideo/train_branchgrpo_flux.py: flux_step_with_split``);
+its log-prob is then that of N(mean, std^2) while the child was drawn from N(mean,
+(scale std)^2). The stored noise is the scaled draw, so sub-tree regeneration and replay
+reproduce the children exactly in both modes.
+
+Reference: Fredreic1849/BranchGRPO, ``fastvideo/train_branchgrpo_flux.py``
+(``run_tree_sample_step``: the same node layout, children of ordinal j at 2j, 2j + 1 for
+factor 2). Deliberate deviation: ``split_noise: level`` by default (above).
 """
 
 from __future__ import annotations
@@ -43,19 +52,24 @@ class TreeSpec:
 
     factors: tuple[int, ...]
     split_noise_scale: float = 1.0
+    split_noise: str = "level"  # "level": scale the step's noise level; "draw": only the drawn noise
 
     @classmethod
-    def build(cls, num_steps: int, split_steps, branch_factors, split_noise_scale: float = 1.0) -> TreeSpec:
+    def build(cls, num_steps: int, split_steps, branch_factors, split_noise_scale: float = 1.0,
+              split_noise: str = "level") -> TreeSpec:
+        if split_noise not in ("level", "draw"):
+            raise ValueError(f"tree.split_noise must be 'level' or 'draw', got '{split_noise}'")
         splits = list(split_steps)
         per_split = list(branch_factors) * len(splits) if len(branch_factors) == 1 else list(branch_factors)
         factors = [1] * num_steps
         for s, f in zip(splits, per_split):
             factors[s] = int(f)
-        return cls(tuple(factors), float(split_noise_scale))
+        return cls(tuple(factors), float(split_noise_scale), split_noise)
 
     @classmethod
     def from_config(cls, cfg) -> TreeSpec:
-        return cls.build(cfg.sampling.num_steps, cfg.tree.split_steps, cfg.tree.branch_factors, cfg.tree.split_noise_scale)
+        t = cfg.tree
+        return cls.build(cfg.sampling.num_steps, t.split_steps, t.branch_factors, t.split_noise_scale, t.split_noise)
 
     @property
     def num_steps(self) -> int:
@@ -87,8 +101,16 @@ class TreeSpec:
         """Closed form: step t evaluates the transformer once per node at depth t."""
         return sum(self.nodes_at(t) for t in range(self.num_steps))
 
+    def _split_scale(self, mode: str) -> list[float]:
+        return [self.split_noise_scale if f > 1 and self.split_noise == mode else 1.0 for f in self.factors]
+
     def noise_levels(self, base: float) -> list[float]:
-        return [base * (self.split_noise_scale if f > 1 else 1.0) for f in self.factors]
+        """The step rule's noise level per step (scaled at splits in ``level`` mode)."""
+        return [base * k for k in self._split_scale("level")]
+
+    def draw_scales(self) -> list[float]:
+        """Factor on the drawn noise per step (the split scale at splits in ``draw`` mode)."""
+        return self._split_scale("draw")
 
     def layout(self, num_trees: int) -> dict[str, torch.Tensor]:
         """depth, tree, ordinal and parent (-1 for roots) of every node, level-major."""
@@ -218,6 +240,7 @@ def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec
     sigma_1 = float(sigmas[1]) if n_steps > 0 else None
     kinds = step_kinds(cfg.sampling, n_steps, iteration, always_sde=spec.split_steps)
     levels = spec.noise_levels(cfg.sampling.noise_level)
+    draw_scales = spec.draw_scales()
     lay = spec.layout(p)
 
     x = initial_noise(shape, [(*r, 0) for r in roots]).to(device)
@@ -238,7 +261,7 @@ def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec
             eps = torch.zeros((len(child_ord), *shape), device=device)
         else:
             eps = rng.randn_batch(shape, [(*roots[k], j) for k, j in zip(child_tree.tolist(), child_ord.tolist())],
-                                  "sde", t).to(device)
+                                  "sde", t).to(device) * draw_scales[t]
         res = step(kind, x.repeat_interleave(b, 0), v.repeat_interleave(b, 0), sigmas[t], sigmas[t + 1], levels[t],
                    sigma_1=sigma_1, noise=eps, reduction=cfg.objective.logprob_reduction)
         x = res.next_latents

@@ -5,6 +5,9 @@ consecutive steps and the ODE elsewhere; only window steps carry a log-prob rati
 only they are trained. flow_grpo-Fast is the static case (a fixed early window). With
 ``sde_window_slide_every = k > 0`` the window moves ``sde_window_slide_stride`` steps
 later every k iterations, and stops when it reaches the last step (it never shrinks).
+
+References: MixGRPO (its sliding window), flow_grpo's Flow-GRPO-Fast (a fixed window);
+the window arithmetic is ours and documented here, not copied.
 """
 
 from __future__ import annotations

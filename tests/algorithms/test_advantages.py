@@ -91,3 +91,25 @@ def test_a_group_with_a_nonfinite_reward_is_dropped_and_the_rest_is_as_if_it_was
 def test_when_every_group_has_a_nonfinite_reward_nothing_is_kept():
     out = compute_advantages(torch.tensor([float("nan"), 1.0, float("nan"), 0.0]), torch.tensor([0, 0, 1, 1]))
     assert out.dropped_groups == 2 and not bool(out.keep.any()) and torch.equal(out.values, torch.zeros(4))
+
+
+@pytest.mark.parametrize("estimator", ["group", "global_std", "median"])
+def test_sample_std_convention_is_numpys_ddof_1(estimator):
+    import numpy as np
+
+    r = torch.tensor([0.1, 0.5, 0.2, 0.9, 0.3, 0.3, 0.8, 0.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    adv = compute_advantages(r, g, estimator, eps=1e-8, std="sample").values.double()
+    x = r.double().numpy()
+    for grp in (0, 1):
+        sel = (g == grp).numpy()
+        centre = np.median(x[sel]) if estimator == "median" else x[sel].mean()
+        std = (x if estimator == "global_std" else x[sel]).std(ddof=1)
+        np.testing.assert_allclose(adv[sel].numpy(), (x[sel] - centre) / (std + 1e-8), rtol=1e-6)
+    pop = compute_advantages(r, g, estimator, eps=1e-8).values
+    assert not torch.allclose(pop, adv.float())
+
+
+def test_unknown_std_convention_is_one_clear_error():
+    with pytest.raises(ValueError, match="advantage.std must be one of population, sample"):
+        compute_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), std="ddof1")

@@ -161,7 +161,9 @@ def test_latent_shape_and_decode_range(family):
 def test_sigmas_shape_endpoints_monotone(family, num_steps):
     sig = make(family).sigmas(num_steps)
     assert sig.dtype == torch.float32 and sig.shape == (num_steps + 1,)
-    assert sig[0].item() == 1.0 and sig[-1].item() == 0.0
+    # DPM-Solver / UniPC grids (sana, wan) start just below pure noise, as their pipelines do
+    assert (sig[0].item() == 1.0) if family not in ("sana", "wan") else (0.999 < sig[0].item() < 1.0)
+    assert sig[-1].item() == 0.0
     assert (sig[1:] < sig[:-1]).all()
 
 
@@ -198,13 +200,37 @@ def test_sd3_sigmas_match_shift_formula_on_diffusers_grid():
     np.testing.assert_allclose(adapter.sigmas(n).numpy(), ref, atol=1e-6)
 
 
+def _shifted(s, shift):
+    return shift * s / (1 + (shift - 1) * s)
+
+
+@pytest.mark.parametrize("n", [1, 8, 10])
+def test_sana_sigmas_are_dpm_solvers_flow_grid(n):
+    """diffusers DPMSolverMultistepScheduler (use_flow_sigmas): sigma = shift(1 - alpha) for
+    alpha = linspace(1, 1/T, N + 1), flipped, the last (0) dropped, then a final 0."""
+    adapter = make("sana")
+    conf = adapter.pipe.scheduler.config
+    grid = _shifted(1.0 - np.linspace(1, 1 / conf.num_train_timesteps, n + 1), conf.flow_shift)[::-1][:-1]
+    np.testing.assert_allclose(adapter.sigmas(n).numpy(), np.append(grid, 0.0), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [1, 8, 10])
+def test_wan_sigmas_are_unipcs_flow_grid(n):
+    """diffusers UniPCMultistepScheduler (use_flow_sigmas): sigma = shift(linspace(1, 1/T,
+    N + 1)[:-1]), the first moved 1e-6 below 1, then a final 0."""
+    adapter = make("wan")
+    conf = adapter.pipe.scheduler.config
+    grid = _shifted(np.linspace(1, 1 / conf.num_train_timesteps, n + 1)[:-1], conf.flow_shift)
+    grid[0] -= 1e-6
+    np.testing.assert_allclose(adapter.sigmas(n).numpy(), np.append(grid, 0.0), rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("family", ["sana", "wan"])
-def test_flow_shift_sigmas(family):
+def test_sigmas_leave_the_pipelines_scheduler_untouched(family):
     adapter = make(family)
-    shift, n = adapter.pipe.scheduler.config.flow_shift, 8
-    s = np.linspace(1.0, 1.0 / n, n)
-    ref = np.append(shift * s / (1 + (shift - 1) * s), 0.0)
-    np.testing.assert_allclose(adapter.sigmas(n).numpy(), ref, atol=1e-6)
+    before = adapter.pipe.scheduler.num_inference_steps
+    adapter.sigmas(7)
+    assert adapter.pipe.scheduler.num_inference_steps == before
 
 
 # ----------------------------------------------------------------------------- velocity

@@ -89,21 +89,23 @@ def test_nvfp4_hand_built_blocks():
     rows = [
         [2688.0] + [0.0] * 15,  # tensor amax 2688 -> tensor scale exactly 1; block scale e4m3(448)
         [2 * v for v in ladder],  # block scale 2: every tie of the ladder, scaled
-        [0.0] * 16,  # all-zero block
+        [0.0] * 16,  # all-zero block: scale 1 (as modelopt), values 0
         [6.375, -6.375, 0.3] + [0.0] * 13,  # scale e4m3(1.0625) = 1 (tie to even): 6.375 saturates
         [6 * 2.0**-9, 2.0**-9] + [0.0] * 14,  # subnormal block scale 2^-9
-        [6 * 2.0**-11] + [0.0] * 15,  # block scale rounds to 0: the block flushes to zero
+        [6 * 2.0**-11, 2.0**-12] + [0.0] * 14,  # scale 2^-11 < 2^-9: clamped to 2^-9, not flushed
     ]
     x = torch.tensor([v for r in rows for v in r])
     tensor_scale, block_scale = nvfp4_scales(x)
     assert tensor_scale.item() == 1.0
-    assert block_scale.tolist() == [448.0, 2.0, 0.0, 1.0, 2.0**-9, 0.0]
+    assert block_scale.tolist() == [448.0, 2.0, 1.0, 1.0, 2.0**-9, 2.0**-9]
     q = fake_nvfp4(x).reshape(6, 16)
     assert q[0, 0].item() == 2688.0
     assert q[1].tolist() == [2 * round_e2m1(torch.tensor(v)).item() for v in ladder]
-    assert q[2].eq(0).all() and q[5].eq(0).all()
+    assert q[2].eq(0).all()
     assert q[3, :3].tolist() == [6.0, -6.0, 0.5]
     assert q[4, :2].tolist() == [6 * 2.0**-9, 2.0**-9]
+    # 6 * 2^-11 / 2^-9 = 1.5 is on the grid; 2^-12 / 2^-9 = 0.125 rounds to 0
+    assert q[5, :2].tolist() == [6 * 2.0**-11, 0.0]
 
 
 def scalar_nvfp4(values: list[float]) -> list[float]:
@@ -113,7 +115,9 @@ def scalar_nvfp4(values: list[float]) -> list[float]:
     out = []
     for start in range(0, len(values), 16):
         block = values[start:start + 16]
-        scale = nearest_even(max(abs(v) for v in block) / (6 * tensor_scale), grid4) * tensor_scale
+        raw = max(abs(v) for v in block) / (6 * tensor_scale)
+        raw = 1.0 if raw == 0 else min(max(raw, 2.0**-9), 448.0)  # modelopt's zero and clamp rules
+        scale = nearest_even(raw, grid4) * tensor_scale
         out += [nearest_even(v / scale, E2M1) * scale if scale else 0.0 for v in block]
     return out
 

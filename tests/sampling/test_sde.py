@@ -116,3 +116,15 @@ def test_unknown_kind_is_rejected_by_name():
     x, v = _inputs()
     with pytest.raises(ValueError, match="valid: sde, cps, dance, ode"):
         step("sdee", x, v, 0.5, 0.4, 0.7)
+
+
+def test_sde_first_step_below_pure_noise_uses_sigma_1_like_flow_grpo_does_at_sigma_1():
+    """DPM-Solver / UniPC grids start at 0.9997 / 1 - 1e-6: 1 - sigma there would make std_t
+    55x / 1000x the noise level. The first step of any grid uses 1 - sigma_1, as flow_grpo
+    does where sigma = 1, and later steps are unchanged."""
+    x, v = torch.randn(2, 3), torch.randn(2, 3)
+    for s0 in (1.0, 0.99966645, 0.999999):
+        _, std, std_t = step_mean_std("sde", x, v, s0, 0.96, 0.7, sigma_1=0.96)
+        assert torch.allclose(std_t, torch.full((2,), 0.7 * math.sqrt(s0 / (1 - 0.96))))
+    _, _, later = step_mean_std("sde", x, v, 0.9, 0.8, 0.7, sigma_1=0.96)
+    assert torch.allclose(later, torch.full((2,), 0.7 * math.sqrt(0.9 / 0.1)))

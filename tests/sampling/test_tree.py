@@ -48,12 +48,13 @@ def _toy_tree(split_steps=(0, 1, 2), factors=(2,), prompts=2, scale=1.0, *overri
     return cfg, adapter, cond, rollout_tree(adapter, adapter.transformer, cond, _keys(prompts, leaves), cfg)
 
 
-def test_replaying_every_stored_path_reproduces_its_leaf():
+@pytest.mark.parametrize("split_noise", ["level", "draw"])
+def test_replaying_every_stored_path_reproduces_its_leaf(split_noise):
     """Stored root noise + per-edge noise through the independent sampler give the leaf
     latent and the same per-step log-probs. The replay batches 16 paths per forward where
     the tree ran 2..16 rows in chunks of 5, so float32 GEMM blocking differs: equality is
     to ~1e-6 relative, not bitwise (bitwise holds with matching batches, test above)."""
-    cfg, adapter, cond, tree = _toy_tree(scale=2.0)
+    cfg, adapter, cond, tree = _toy_tree((0, 1, 2), (2,), 2, 2.0, f"tree.split_noise={split_noise}")
     paths = tree.path_trajectory()
     replay = denoise(adapter, adapter.transformer, cond, paths.keys, tree.sigmas, tree.step_kinds, tree.noise_levels,
                      cfg.objective.logprob_reduction, init_noise=paths.latents[:, 0], noise=paths.step_noise)
@@ -127,6 +128,17 @@ def test_split_noise_scale_scales_the_split_std_only():
     at_split = scaled.depth == 2
     assert torch.allclose(scaled.std_ts[at_split], 3 * base.std_ts[at_split])
     assert torch.equal(scaled.latents[scaled.depth <= 1], base.latents[base.depth <= 1])  # before the split
+
+
+def test_split_noise_draw_scales_only_the_drawn_noise_as_branchgrpo_does():
+    _, _, _, base = _toy_tree(split_steps=(1,), factors=(4,), prompts=1)
+    _, _, _, drawn = _toy_tree((1,), (4,), 1, 3.0, "tree.split_noise=draw")
+    at_split = drawn.depth == 2
+    assert drawn.noise_levels == base.noise_levels  # drift and log-prob keep the unscaled std
+    assert torch.equal(drawn.stds[at_split], base.stds[at_split])
+    assert torch.equal(drawn.means[at_split], base.means[at_split])
+    torch.testing.assert_close(drawn.latents[at_split] - drawn.means[at_split],
+                               3 * (base.latents[at_split] - base.means[at_split]), rtol=1e-5, atol=1e-6)
 
 
 def test_tree_keys_must_come_in_whole_groups():
