@@ -6,16 +6,16 @@ import argparse
 import sys
 
 from diffrl.config import ConfigError, describe, load_config
-from diffrl.plan import derive, format_plan
+from diffrl.training.plan import derive, format_plan
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Error types that mean bad input: printed as one line, never as a traceback."""
-    from diffrl.checkpoint import CheckpointError
-    from diffrl.compare import CompareError
-    from diffrl.data import PromptFileError
+    from diffrl.evaluation.compare import CompareError
     from diffrl.models.base import ModelLoadError
-    from diffrl.watchdog import TrainingStalledError
+    from diffrl.training.checkpoint import CheckpointError
+    from diffrl.training.data import PromptFileError
+    from diffrl.training.watchdog import TrainingStalledError
     from rewards import RewardArgsError, UnknownRewardError
     from rewards.clip_common import MissingRewardWeightsError
     from rewards.combine import RewardPromptError
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             print(format_plan(derive(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
             return 0
         _claim_run_dir(cfg.run_dir, args)
-        from diffrl.trainer import Trainer
+        from diffrl.training.trainer import Trainer
 
         trainer = Trainer(cfg)
         if args.resume:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 def _interrupted_message(cfg) -> str:
     """Ctrl-C: no traceback, and whether there is a checkpoint to continue from (one being
     written when the key was pressed is never half-kept: saves are atomic)."""
-    from diffrl.checkpoint import latest_complete
+    from diffrl.training.checkpoint import latest_complete
 
     if cfg is None:
         return "interrupted"
@@ -108,7 +108,7 @@ def _interrupted_message(cfg) -> str:
 def _check_inputs(cfg) -> None:
     """What a real start checks before loading weights: reward names and argument names,
     and the prompt files (for ``--dry-run``)."""
-    from diffrl.data import load_prompts
+    from diffrl.training.data import load_prompts
     from rewards.combine import check_reward_specs
 
     check_reward_specs(cfg.rewards)
@@ -122,7 +122,7 @@ def _claim_run_dir(run_dir, args) -> None:
     offers the ways on), or, with --overwrite, clear it on the main process."""
     import os
 
-    from diffrl import run_dir as guard
+    from diffrl.training import run_dir as guard
 
     if args.overwrite and args.resume:
         raise ConfigError("--overwrite starts over and --resume continues: pass one of them")

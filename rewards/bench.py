@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffrl.algorithms.selection import kendall_tau, spearman_rho
 from rewards.errors import one_line
+from rewards.ranking import kendall_tau, spearman_rho
 
 LABELS = ("a", "b", "tie")
 

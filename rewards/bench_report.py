@@ -9,7 +9,9 @@ import math
 import torch
 from PIL import Image, ImageDraw
 
-from diffrl.plots import COLOURS
+# one palette for every chart of the project (diffrl.evaluation.plots uses it too)
+COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127)]
 
 
 def _fmt(value, digits=3) -> str:

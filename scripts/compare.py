@@ -38,12 +38,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    from diffrl.compare import CompareError, parse_checkpoints, run_comparison, with_rlg_scales
-    from diffrl.compare_report import grid_pages, write_html, write_jsonl
     from diffrl.config import load_config
-    from diffrl.data import load_prompts
+    from diffrl.evaluation.compare import CompareError, parse_checkpoints, run_comparison, with_rlg_scales
+    from diffrl.evaluation.compare_report import grid_pages, write_html, write_jsonl
     from diffrl.models import build_adapter
-    from diffrl.policy import Policy
+    from diffrl.training.data import load_prompts
+    from diffrl.training.policy import Policy
     from rewards.combine import MultiReward
 
     args = parse_args(argv)

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import tempfile
 
     from diffrl.config import load_config
-    from diffrl.trainer import Trainer
+    from diffrl.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         quiet = [f"output_dir={tmp}", "logging.trackers=[]", "perf.compile_rollout=false"]

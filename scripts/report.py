@@ -9,7 +9,7 @@ rank agreement. Writes ``report.png`` and ``summary.md``.
 Several seeds of one method: NAME=DIR1,DIR2,DIR3. The summary then adds a methods table
 (held-out strict as mean ± sd [min, max] over seeds, the evaluation's standard error,
 training strict, darkness and diversity against the base) and the plot starts with the
-seed means (diffrl/seed_groups.py):
+seed means (diffrl/evaluation/seed_groups.py):
 
     python scripts/report.py anchor=runs/a0,runs/a1,runs/a2 plain=runs/p0,runs/p1,runs/p2 --out report
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffrl.plots import panels  # noqa: E402
-from diffrl.seed_groups import group_panels, methods_table  # noqa: E402
+from diffrl.evaluation.plots import panels  # noqa: E402
+from diffrl.evaluation.seed_groups import group_panels, methods_table  # noqa: E402
 
 STAGES = ("time/explore", "time/regenerate", "time/rollout", "time/update", "time/sync")
 
@@ -37,7 +37,7 @@ def load_run(path: Path) -> list[dict]:
     metrics = Path(path) / "metrics.jsonl"
     if not metrics.is_file():
         raise ReportError(f"'{path}' has no metrics.jsonl; pass a run directory (output_dir of a training run)")
-    from diffrl.metrics import read_metrics
+    from diffrl.training.metrics import read_metrics
 
     return read_metrics(metrics, warn=print)
 

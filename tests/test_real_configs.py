@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffrl.config import load_config
-from diffrl.trainer import Trainer
+from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
 
 REAL = ["flux_flowgrpo", "flux_branchgrpo", "flux_solrl", "sd35_flowgrpo", "sd35_solrl", "sana_solrl",
@@ -43,7 +43,7 @@ def test_full_size_dry_run_keeps_the_real_plan(name, capsys):
     """``train.py --full-size --dry-run``: the published architecture on random weights, the
     config's own arithmetic (resolution, batches, NFE), and nothing built or downloaded."""
     from diffrl.cli import main
-    from diffrl.plan import derive
+    from diffrl.training.plan import derive
 
     assert main(["--config", name, "--full-size", "--dry-run"]) == 0
     printed = capsys.readouterr().out

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from diffrl.algorithms.selection import rank_agreement, select_subset
-from diffrl.metrics import StageClock
 from diffrl.sampling import TreeTrajectory, get_strategy, rollout_independent
 from diffrl.sampling.subtree import regenerate_subtree
+from diffrl.training.metrics import StageClock
 
 
 @dataclass

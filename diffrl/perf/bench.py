@@ -216,7 +216,7 @@ def iteration_breakdown(cfg, warmup: int = 1) -> dict:
     median seconds of each stage over the iterations after ``warmup``, their share of the
     iteration, and the largest stage peak memory (CUDA). Sol-RL runs report sync, explore,
     select, regenerate, score and train; plain runs rollout, score and train."""
-    from diffrl.trainer import Trainer
+    from diffrl.training.trainer import Trainer
 
     trainer = Trainer(cfg)
     history = trainer.fit()

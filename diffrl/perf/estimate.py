@@ -60,8 +60,8 @@ def _block_count(transformer: torch.nn.Module) -> int:
 def estimate_config(cfg, num_processes: int = 8) -> dict:
     """FLOPs and a per-process memory estimate (GiB) for ``cfg`` at full size."""
     from diffrl.models import build_adapter
-    from diffrl.plan import derive
-    from diffrl.policy import Policy
+    from diffrl.training.plan import derive
+    from diffrl.training.policy import Policy
 
     arch = arch_for(cfg.model.pretrained)
     if arch is None:

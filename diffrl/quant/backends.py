@@ -6,7 +6,7 @@
   ``FP8_DEFAULT_CFG``. Its NVFP4 quantizers are fake quant (quantize-dequantize) in
   Triton/CUDA kernels, so they need a CUDA GPU; FP4 *tensor cores* exist only on
   Blackwell (sm_100+). On Hopper and older, NVFP4 is simulated: the numerics of NVFP4,
-  none of its speed (H100 has no FP4 tensor cores; DESIGN.md).
+  none of its speed (H100 has no FP4 tensor cores; docs/ALGORITHMS.md section 9).
 * ``torchao``: FP8 (E4M3) dynamic activations and weights through
   ``quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``
   under ``torch.compile``: real FP8 GEMMs (``torch._scaled_mm``) on GPUs with FP8

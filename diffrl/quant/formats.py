@@ -12,7 +12,7 @@ with low-precision numerics on any device, including CPU in CI.
   becomes code 320. modelopt's fake-quantization path (``tensor_quant.fp8_eager``,
   x * (448 / amax)) rounds that tie the same way; its export path, x / (amax / 448) in
   fp32, sees -336.00003 and gives 352.
-* **NVFP4** (NVIDIA's 4-bit float; DESIGN.md): E2M1 values {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+* **NVFP4** (NVIDIA's 4-bit float; docs/ALGORITHMS.md section 9): E2M1 values {0, 0.5, 1, 1.5, 2, 3, 4, 6}
   in blocks of 16 along the last dim, each block with an E4M3 scale, plus one FP32 scale
   per tensor, amax / (6 * 448). A block's scale is e4m3(amax_block / (6 * tensor_scale)),
   clamped to [2^-9, 448] before the cast as modelopt's ``NVFP4QTensor`` does (and so real

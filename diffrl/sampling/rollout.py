@@ -1,6 +1,6 @@
 """Independent group rollouts that return trajectories as data.
 
-"Trajectories are data" (DESIGN.md): the loss reads a :class:`Trajectory` and nothing
+"Trajectories are data" (docs/ARCHITECTURE.md): the loss reads a :class:`Trajectory` and nothing
 else about how it was produced, so a tree sampler or a low-precision pool can produce
 the same structure.
 """

@@ -1,5 +1,4 @@
-"""ShapeWorld: the offline toy world (renderer, prompt grammar, toy-model pretraining).
-
-A miniature of GenEval (Ghosh et al. 2023) whose ground truth is computable from
-pixels, so alignment can be measured without any downloaded model.
+"""The ShapeWorld toy model: pretraining (``pretrain``), preference data (``preferences``)
+and the relation probe (``relation_probe``). The task itself (prompt grammar, renderer,
+verifier, fidelity) is :mod:`rewards.shapeworld`.
 """

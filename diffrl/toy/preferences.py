@@ -1,7 +1,7 @@
 """A small offline preference set from ShapeWorld, for ``scripts/bench_rewards.py``.
 
 Each pair shows one held-out prompt twice: a render that satisfies it and a render of
-:func:`~diffrl.toy.shapeworld.corrupt` (one clause broken: a wrong count, colour or
+:func:`~rewards.shapeworld.render.corrupt` (one clause broken: a wrong count, colour or
 shape, a missing object, or the opposite relation), in random order; the label names
 the correct one. Some pairs are two different correct renders, labelled ``tie``. The
 ground truth is exact, so the ShapeWorld verifier should score 100 % without ties while
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from diffrl.toy.grammar import parse, split
-from diffrl.toy.shapeworld import corrupt, render
+from rewards.shapeworld.grammar import parse, split
+from rewards.shapeworld.render import corrupt, render
 
 
 def write_pairs(directory, pairs: int = 48, ties: int = 8, seed: int = 0, resolution: int = 32) -> Path:

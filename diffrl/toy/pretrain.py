@@ -32,9 +32,9 @@ import torch
 
 from diffrl.models import tiny
 from diffrl.models.toy import ToyPipeline, build_components
-from diffrl.policy import EMA
-from diffrl.toy import grammar
-from diffrl.toy.shapeworld import corrupt, render
+from diffrl.training.policy import EMA
+from rewards.shapeworld import grammar
+from rewards.shapeworld.render import corrupt, render
 
 
 @dataclass

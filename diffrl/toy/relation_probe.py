@@ -17,8 +17,7 @@ import random
 
 import torch
 
-from diffrl.toy import grammar
-from rewards.shapeworld import detect
+from rewards.shapeworld import detect, grammar
 
 RELATIONS = ("to the left of", "to the right of", "above", "below")
 

@@ -12,8 +12,8 @@ import torch
 from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.flow_grpo import LossContext, StepBatch
 from diffrl.config import ConfigError, load_config
-from diffrl.passes import sample_major
-from diffrl.trainer import Trainer
+from diffrl.training.passes import sample_major
+from diffrl.training.trainer import Trainer
 
 
 def test_anchor_loss_is_coef_times_mean_squared_velocity_gap_with_no_gradient_into_the_reference():

@@ -9,7 +9,7 @@ import torch
 from diffrl.algorithms import get_objective
 from diffrl.algorithms.flow_grpo import LossContext, StepBatch
 from diffrl.algorithms.nft import optimality_probability
-from diffrl.policy import OldPolicy
+from diffrl.training.policy import OldPolicy
 
 
 def _setup(adv, beta=0.7, clip=2.0, weights=None):

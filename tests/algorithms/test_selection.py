@@ -7,13 +7,8 @@ import math
 import pytest
 import torch
 
-from diffrl.algorithms.selection import (
-    average_ranks,
-    kendall_tau,
-    rank_agreement,
-    select_subset,
-    spearman_rho,
-)
+from diffrl.algorithms.selection import rank_agreement, select_subset
+from rewards.ranking import average_ranks, kendall_tau, spearman_rho
 
 
 def test_best_worst_takes_top_and_bottom_in_pool_order():

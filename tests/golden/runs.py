@@ -26,7 +26,7 @@ METRICS = ("loss", "policy_loss", "reward/mean", "kl", "approx_kl", "grad_norm")
 def run(name: str) -> dict:
     """Train ``name``'s config for 2 iterations at seed 0 and return its golden record."""
     from diffrl.config import load_config
-    from diffrl.trainer import Trainer
+    from diffrl.training.trainer import Trainer
 
     config, overrides = RUNS[name]
     out = Path(tempfile.mkdtemp(prefix=f"golden-{name}-"))

@@ -62,7 +62,7 @@ def test_attention_backend_switch_and_its_errors(tiny_cfg):
 def test_compiled_rollouts_match_eager_and_follow_weight_updates(tiny_cfg):
     """The real inductor path (on this CPU): the compiled policy agrees with eager, also
     after an in-place update of its LoRA weights (what an optimizer step does)."""
-    from diffrl.policy import Policy
+    from diffrl.training.policy import Policy
 
     cfg = tiny_cfg("flux", "perf.compile_rollout=true")
     adapter = build_adapter(cfg.model)

@@ -11,7 +11,6 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.models import build_adapter
-from diffrl.policy import Policy
 from diffrl.quant import fake_fp8, fake_nvfp4
 from diffrl.quant.backends import (
     ConvAsLinear,
@@ -23,6 +22,7 @@ from diffrl.quant.backends import (
 )
 from diffrl.quant.exploration import ExplorationCopy, merged_weight
 from diffrl.quant.keep_high import default_keep_high
+from diffrl.training.policy import Policy
 
 
 def _modelopt_imports() -> bool:

@@ -6,9 +6,9 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.models import build_adapter
-from diffrl.policy import Policy
 from diffrl.quant import fake_nvfp4
 from diffrl.quant.exploration import ExplorationCopy, merged_weight
+from diffrl.training.policy import Policy
 
 
 def _policy(family="flux"):

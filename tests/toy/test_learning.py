@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from diffrl.config import load_config
-from diffrl.trainer import Trainer
+from diffrl.training.trainer import Trainer
 
 STEPS = 20
 THRESHOLD = 0.03  # absolute gain in the share of held-out samples with every object right

@@ -10,7 +10,7 @@ from diffrl.config import ModelConfig, load_config
 from diffrl.models import ModelLoadError, build_adapter
 from diffrl.models.toy import SHIPPED, ToyPipeline, word_tokenizer
 from diffrl.sampling.rollout import rollout_independent
-from diffrl.toy import grammar
+from rewards.shapeworld import grammar
 
 PROMPTS = ["two red circles", "a blue square to the left of a yellow triangle"]
 
@@ -120,10 +120,9 @@ def test_pretraining_is_reproducible_and_stopping_early_equals_a_shorter_run(tmp
 def test_caption_noise_corrupts_that_share_of_scenes_and_each_violates_its_caption():
     import random
 
-    from diffrl.toy import grammar
     from diffrl.toy.pretrain import scene_specs
-    from diffrl.toy.shapeworld import render
-    from rewards.shapeworld import detect, verify
+    from rewards.shapeworld import detect, grammar, verify
+    from rewards.shapeworld.render import render
 
     captions, _ = grammar.split()
     captions = captions[:400]
@@ -212,7 +211,7 @@ def test_relation_probe_reads_placement_from_pixels_as_the_renderer_drew_it():
     import numpy as np
 
     from diffrl.toy import relation_probe as probe
-    from diffrl.toy.shapeworld import render
+    from rewards.shapeworld.render import render
 
     prompts = probe.relation_prompts("train", 24)
     rnd = random.Random(0)

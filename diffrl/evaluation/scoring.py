@@ -1,0 +1,146 @@
+"""Evaluation: fixed prompts x fixed seeds, deterministic ODE sampling.
+
+Two prompt sets are evaluated, each logged under its own prefix:
+
+* ``eval/``: the held-out prompts (``eval.num_prompts`` of them), what a run reports;
+* ``eval_train/``: a fixed, evenly spaced subset of the *training* prompts
+  (``eval.train_num_prompts``, 0 to skip), which tells a policy that fails to learn its
+  own prompts apart from one that fails to generalise.
+
+Noise keys depend only on (set, prompt index, seed), so every evaluation of a run (and of
+any checkpoint) sees exactly the same initial noise. For every reward score it logs the
+mean, ``<prefix>/<name>/se`` and ``<prefix>/n`` (the number of samples). The standard
+error is taken over prompts (the standard deviation of the per-prompt means over the
+square root of the number of prompts): the seeds of one prompt are correlated, so the
+binomial sqrt(p (1 - p) / n) over all samples would understate it. ``eval/diversity`` is
+the mean pairwise RMS pixel distance between the samples of the same prompt (images
+downsampled to at most 64 px), so that mode collapse shows up next to the reward.
+
+A score that does not apply to a sample is NaN (the ShapeWorld verifier's per-kind
+breakdown, say): its mean and standard error leave those samples out, and
+``<prefix>/<name>/n`` counts the samples that were scored when that is fewer than all
+(a score that applies to none is not reported).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from diffrl.sampling.rollout import rollout_independent
+
+DIVERSITY_SIZE = 64
+
+
+def eval_plan(prompts: list[str], num_prompts: int, seeds: list[int], tag: str = "eval") -> tuple[list[str], list[tuple]]:
+    """The first ``num_prompts`` prompts, each once per seed, with noise keys (tag, i, seed)."""
+    chosen = prompts[:num_prompts]
+    plan_prompts, keys = [], []
+    for i, prompt in enumerate(chosen):
+        for seed in seeds:
+            plan_prompts.append(prompt)
+            keys.append((tag, i, seed))
+    return plan_prompts, keys
+
+
+def spaced_subset(prompts: list[str], count: int) -> list[str]:
+    """``count`` prompts evenly spaced through ``prompts`` (all when count >= len): a fixed
+    subset that covers a file sorted by prompt type as well as a shuffled one."""
+    if count >= len(prompts):
+        return list(prompts)
+    return [prompts[(i * len(prompts)) // count] for i in range(count)]
+
+
+def standard_error(values: torch.Tensor, prompt_index: list[int]) -> float:
+    """Standard error of the mean over prompts: std of the per-prompt means / sqrt(#prompts)
+    (NaN with fewer than two prompts)."""
+    index = torch.tensor(prompt_index)
+    scored = ~torch.isnan(values)
+    values, index = values[scored], index[scored]
+    uniq, inverse = torch.unique(index, return_inverse=True)
+    if len(uniq) < 2:
+        return float("nan")
+    sums = torch.zeros(len(uniq), dtype=torch.float64).scatter_add_(0, inverse, values.double())
+    counts = torch.zeros(len(uniq), dtype=torch.float64).scatter_add_(0, inverse, torch.ones_like(values.double()))
+    means = sums / counts
+    return float(means.std(unbiased=True) / len(uniq) ** 0.5)
+
+
+def _pad_to_multiple(items: list, world: int) -> list:
+    missing = (-len(items)) % world
+    return items + items[-1:] * missing
+
+
+def thumbnails(images: torch.Tensor, size: int = DIVERSITY_SIZE) -> torch.Tensor:
+    """(B, D) flattened images (video: all frames) area-downsampled to at most ``size`` px."""
+    frames = images.flatten(0, 1) if images.ndim == 5 else images
+    h, w = frames.shape[-2:]
+    if max(h, w) > size:
+        scale = size / max(h, w)
+        frames = torch.nn.functional.interpolate(frames.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))),
+                                                 mode="area")
+    return frames.reshape(images.shape[0], -1).float()
+
+
+def diversity(thumbs: torch.Tensor, prompt_index: list[int]) -> float:
+    """Mean over prompts of the mean pairwise RMS distance between that prompt's samples
+    (NaN when no prompt has two samples)."""
+    groups: dict[int, list[int]] = {}
+    for row, p in enumerate(prompt_index):
+        groups.setdefault(p, []).append(row)
+    per_prompt = []
+    for rows in groups.values():
+        pairs = list(itertools.combinations(rows, 2))
+        if pairs:
+            d = [(thumbs[i] - thumbs[j]).pow(2).mean().sqrt() for i, j in pairs]
+            per_prompt.append(torch.stack(d).mean())
+    return float(torch.stack(per_prompt).mean()) if per_prompt else float("nan")
+
+
+SHEET_SIZE = 16
+
+
+@torch.no_grad()
+def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], cfg, sheet_path=None,
+             prefix: str = "eval", num_prompts: int | None = None) -> dict[str, float]:
+    """Every reward score over ``prompts`` (the first ``num_prompts``, default
+    ``eval.num_prompts``) x ``eval.seeds``: ``<prefix>/<name>/mean`` and ``/se``,
+    ``<prefix>/n`` and ``<prefix>/diversity``. With ``sheet_path`` the main process also
+    saves its first samples (the fixed eval noise, so sheets of different steps line up)
+    as a PNG."""
+    count = cfg.eval.num_prompts if num_prompts is None else num_prompts
+    plan_prompts, keys = eval_plan(prompts, count, cfg.eval.seeds, tag=prefix)
+    n = len(keys)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    padded_p, padded_k = _pad_to_multiple(plan_prompts, world), _pad_to_multiple(keys, world)
+    per = len(padded_k) // world
+    local_p, local_k = padded_p[rank * per:(rank + 1) * per], padded_k[rank * per:(rank + 1) * per]
+    steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
+    cond = adapter.encode_prompts(local_p)
+    with accelerator.autocast():
+        traj = rollout_independent(adapter, transformer, cond, local_k, cfg, num_steps=steps, kinds=["ode"] * steps)
+    _, _, logs = reward_fn(traj.images, local_p, {"keys": local_k})
+    if sheet_path is not None and accelerator.is_main_process:
+        from diffrl.evaluation.plots import image_sheet
+
+        first = logs[cfg.rewards[0].name][:SHEET_SIZE].tolist()
+        captions = [f"s{k[2]} {v:.2f} {p}" for k, v, p in zip(local_k, first, local_p)]
+        image_sheet(traj.images[:SHEET_SIZE].cpu(), captions).save(sheet_path)
+    names = sorted(logs)
+    local = torch.stack([logs[k] for k in names], dim=1).to(accelerator.device)
+    gathered = accelerator.gather(local)[:n].cpu()
+    prompt_index = [k[1] for k in keys]
+    out: dict[str, float] = {f"{prefix}/n": n}
+    for j, name in enumerate(names):
+        column = gathered[:, j]
+        scored = int((~torch.isnan(column)).sum())
+        if scored == 0:  # applies to none of these prompts: nothing to report
+            continue
+        out[f"{prefix}/{name}/mean"] = float(column.nanmean())
+        out[f"{prefix}/{name}/se"] = standard_error(column, prompt_index)
+        if scored < n:
+            out[f"{prefix}/{name}/n"] = scored
+    thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
+    out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
+    return out

@@ -1,0 +1,106 @@
+"""Prompt files and the per-iteration sample plan.
+
+The plan for iteration ``step`` depends only on (seed, step), never on global RNG
+state, so resuming at step k reproduces exactly the prompts and noise keys an
+uninterrupted run would have used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diffrl.sampling import rng
+
+
+class PromptFileError(ValueError):
+    """A prompt file is missing, empty or malformed; the message names file and line."""
+
+
+# the checkout's root: shipped configs name their prompt files relative to it
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve_prompt_path(path: str | Path) -> Path:
+    """A relative prompt path as given if it exists from the working directory, else
+    relative to the project root (so ``assets/shapeworld/train.txt`` in a shipped config
+    works from any directory). Absolute paths are taken as they are."""
+    path = Path(path).expanduser()
+    if path.is_absolute() or path.is_file():
+        return path
+    shipped = PROJECT_ROOT / path
+    return shipped if shipped.is_file() else path
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Read prompts from ``.txt`` (one per line, blank lines and ``#`` comments skipped)
+    or ``.jsonl`` (one object per line with a string ``prompt`` field). A relative path
+    is looked up from the working directory, then from the project root."""
+    given = path
+    path = resolve_prompt_path(path)
+    if not path.is_file():
+        raise PromptFileError(f"prompt file '{given}' does not exist (looked in {Path.cwd()} and {PROJECT_ROOT}); "
+                              "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise PromptFileError(f"prompt file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    prompts = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if path.suffix == ".jsonl":
+            prompts.append(_jsonl_prompt(path, lineno, line))
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise PromptFileError(f"prompt file '{path}' has no prompts")
+    return prompts
+
+
+def _jsonl_prompt(path: Path, lineno: int, line: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise PromptFileError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+        raise PromptFileError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
+    return obj["prompt"]
+
+
+@dataclass
+class SamplePlan:
+    """The samples of one iteration, in global order (group-major)."""
+
+    prompts: list[str]  # (N,)
+    group_ids: torch.Tensor  # (N,) group index within the step
+    keys: list[tuple]  # (N,) RNG keys (seed, step, group, sample)
+
+    def shard(self, rank: int, world: int) -> tuple[slice, SamplePlan]:
+        """Contiguous block of this process; groups may straddle processes (stats are gathered)."""
+        n = len(self.prompts)
+        if n % world:
+            raise ValueError(f"{n} samples per step cannot be split over {world} processes; make "
+                             "rollout.prompts_per_step * rollout.group_size divisible by the process count")
+        per = n // world
+        sl = slice(rank * per, (rank + 1) * per)
+        return sl, SamplePlan(self.prompts[sl], self.group_ids[sl], self.keys[sl])
+
+
+def plan_step(prompts: list[str], seed: int, step: int, prompts_per_step: int, group_size: int) -> SamplePlan:
+    """Choose ``prompts_per_step`` prompts for ``step`` (without replacement when possible)
+    and lay out ``group_size`` samples of each."""
+    gen = rng.generator(seed, "prompts", step)
+    order = torch.cat([torch.randperm(len(prompts), generator=gen)
+                       for _ in range(-(-prompts_per_step // len(prompts)))])[:prompts_per_step]
+    chosen, group_ids, keys = [], [], []
+    for g, idx in enumerate(order.tolist()):
+        for s in range(group_size):
+            chosen.append(prompts[idx])
+            group_ids.append(g)
+            keys.append((seed, step, g, s))
+    return SamplePlan(chosen, torch.tensor(group_ids), keys)

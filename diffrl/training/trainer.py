@@ -1,0 +1,333 @@
+"""The training loop. Each stage is a call into a package:
+
+    plan (data) -> rollout (sampling strategy) -> rewards -> advantages (algorithms)
+    -> update (objective) -> log / eval / checkpoint
+
+Runs under accelerate (CPU, one GPU, DDP, FSDP via accelerate's config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, pad_across_processes
+from tqdm.auto import tqdm
+
+from diffrl.algorithms import compute_advantages, get_objective
+from diffrl.algorithms.solrl import SolRLStage
+from diffrl.algorithms.tree_credit import tree_credit
+from diffrl.config import Config, save_config
+from diffrl.evaluation.scoring import evaluate, spaced_subset
+from diffrl.evaluation.summary import before_after
+from diffrl.models import build_adapter
+from diffrl.perf.runtime import apply_attention_backend, compiled
+from diffrl.sampling import TreeTrajectory, get_strategy
+from diffrl.training import checkpoint as ckpt
+from diffrl.training import run_dir as run_dir_guard
+from diffrl.training.console import closing_lines, eval_line, progress_fields, say
+from diffrl.training.data import load_prompts, plan_step
+from diffrl.training.metrics import MetricsLogger, StageClock
+from diffrl.training.plan import derive, format_plan
+from diffrl.training.policy import EMA, OldPolicy, Policy
+from diffrl.training.update import UpdateCounters, Updater
+from diffrl.training.watchdog import check_stalled, no_update_message
+from rewards.combine import MultiReward
+
+
+def make_accelerator(cfg: Config) -> Accelerator:
+    project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs"))
+    trackers = installed_trackers(cfg.logging.trackers) or None
+    return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
+
+
+def installed_trackers(names: list[str], log=print) -> list[str]:
+    """The configured trackers whose package is installed; each missing one is a note
+    (metrics.jsonl is written in any case), not a crash mid-start."""
+    import importlib.util
+
+    kept = []
+    for name in names:  # accelerate's tracker names are their packages' import names
+        if importlib.util.find_spec(name) is None:
+            log(f"note: logging.trackers names '{name}' but it is not installed (pip install {name}); "
+                "logging to metrics.jsonl only for it")
+        else:
+            kept.append(name)
+    return kept
+
+
+def make_lr_scheduler(optimizer, cfg: Config, total_steps: int):
+    warmup, kind = cfg.optim.warmup_steps, cfg.optim.scheduler
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, total_steps - warmup))
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if kind == "linear":
+            return 1.0 - progress
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, accelerator: Accelerator | None = None):
+        self.cfg = cfg
+        self.acc = accelerator or make_accelerator(cfg)
+        # fail fast on bad inputs before any model is built
+        self.train_prompts = load_prompts(cfg.data.train_prompts)
+        evaluating = bool(cfg.eval.every or cfg.eval.at_start)
+        self.eval_prompts = load_prompts(cfg.data.eval_prompts) if evaluating else []
+        self.train_eval_prompts = spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
+        self.reward_fn = MultiReward(cfg.rewards)
+        self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
+        self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
+        self.strategy = get_strategy(cfg.rollout.strategy)
+        self.objective = get_objective(cfg.objective.name)
+        self.numbers = derive(cfg, self.acc.num_processes)
+
+        self.adapter = build_adapter(cfg.model)
+        self.adapter.to(self.acc.device)
+        self.reward_fn.to(self.acc.device)
+        self.policy = Policy(self.adapter, cfg.model, cfg.seed)
+        apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
+        self.rollout_model = compiled(self.adapter.transformer, cfg.perf)
+        opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps)
+        self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
+        # Not passed through prepare(): accelerate would step it once per *process* per
+        # optimizer step, while our step counts are already per optimizer step.
+        self.scheduler = make_lr_scheduler(self.optimizer, cfg, int(self.numbers["optimizer_steps_total"]))
+        self.counters = UpdateCounters()
+        self.acc.register_for_checkpointing(self.scheduler)
+        self.ema = EMA(self.policy.trainable_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        self.acc.register_for_checkpointing(self.counters)
+        if self.ema is not None:
+            self.acc.register_for_checkpointing(self.ema)
+        ckpt.install_accelerate_hooks(self.acc)
+        self.old_policy = None
+        if getattr(self.objective, "forward_process", False):
+            o = cfg.objective
+            self.old_policy = OldPolicy(self.policy.trainable_parameters(), o.nft_old_decay_flat, o.nft_old_decay_rate,
+                                        o.nft_old_decay_max)
+            self.acc.register_for_checkpointing(self.old_policy)
+        self.updater = Updater(self.acc, self.policy, self.adapter, self.model, self.optimizer, self.scheduler,
+                               self.objective, cfg, self.counters, self.ema, self.old_policy)
+        self.solrl = None
+        if cfg.solrl.enabled:
+            self.solrl = SolRLStage(cfg, self.adapter, self.adapter.transformer, self.reward_fn, log=self.acc.print)
+            self.updater.after_step.append(self.solrl.mark_stale)
+        self.step = 0
+
+    # -- stages ---------------------------------------------------------------------------
+    def rollout_and_score(self, step: int) -> dict:
+        """Rollouts of this process's share of the iteration, scored. Sol-RL returns the
+        regenerated BF16 subset; everything downstream sees only that."""
+        cfg = self.cfg
+        size = cfg.solrl.pool_size if self.solrl is not None else cfg.rollout.group_size
+        plan = plan_step(self.train_prompts, cfg.seed, step, cfg.rollout.prompts_per_step, size)
+        sl, local = plan.shard(self.acc.process_index, self.acc.num_processes)
+        cond = self.adapter.encode_prompts(local.prompts)
+        if self.solrl is not None:
+            out = self.solrl.run(self.adapter, self.adapter.transformer, cond, local.prompts, local.keys, step,
+                                 self.acc.autocast, rollout_model=self.rollout_model)
+            groups = local.group_ids.reshape(-1, size)[:, :cfg.rollout.group_size].flatten()
+            return {"groups": groups, "cond": out.cond, "traj": out.traj, "total": out.total,
+                    "comps": out.components, "logs": out.logs, "extra": out.metrics,
+                    "nfe": out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]}
+        clock = StageClock(self.acc.device)
+        # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
+        weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
+        with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights:
+            traj = self.strategy(self.adapter, self.rollout_model, cond, local.keys, cfg, iteration=step)
+        with clock.stage("reward"):
+            total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
+        return {"groups": local.group_ids, "cond": cond, "traj": traj, "total": total, "comps": comps,
+                "logs": logs, "extra": clock.metrics, "nfe": traj.nfe}
+
+    def samples_with_old_policy(self) -> bool:
+        return self.old_policy is not None and self.cfg.objective.nft_sample_with == "old"
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``t`` over processes along dim 0; lengths may differ (Sol-RL
+        sub-trees have data-dependent node counts), so blocks are padded, gathered and cut."""
+        t = t.to(self.acc.device)
+        if self.acc.num_processes == 1:
+            return t.cpu()
+        sizes = self.acc.gather(torch.tensor([t.shape[0]], device=self.acc.device)).cpu().tolist()
+        padded = self.acc.gather(pad_across_processes(t, dim=0)).cpu()
+        width = max(sizes)
+        return torch.cat([padded[i * width:i * width + n] for i, n in enumerate(sizes)])
+
+    def advantages(self, groups, total, comps):
+        """Gather rewards and group ids from every process and normalise over whole groups."""
+        all_total, all_groups = self.gather(total), self.gather(groups)
+        adv = compute_advantages(all_total, all_groups, self.cfg.advantage.estimator, self.cfg.advantage.eps,
+                                 self.cfg.advantage.filter_zero_std, self.gather(comps), self.reward_fn.weights,
+                                 self.cfg.advantage.std)
+        n, rank = len(total), self.acc.process_index
+        sl = slice(rank * n, (rank + 1) * n)
+        return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction, adv.dropped_groups
+
+    def tree_advantages(self, traj, total, comps, step: int):
+        """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""
+        credit = tree_credit(traj, total, comps, self.cfg, step, self.reward_fn.weights, self.gather,
+                             self.acc.process_index)
+        counts = self.gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
+        # all processes; edges left after pruning, before objective.timestep_fraction subsamples them
+        stats = {"tree/edges_after_pruning": int(counts[0]), "tree/edges": int(counts[1])}
+        return (self.gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.dropped_groups,
+                credit.train, stats)
+
+    def across_processes(self, local: dict) -> dict:
+        """Per-process stage metrics over all processes: NFE and sync counts are summed,
+        times take the slowest process, the rest (rewards, rank agreement) the mean."""
+        if self.acc.num_processes == 1:
+            return dict(local)
+        keys = sorted(local)
+        values = self.gather(torch.tensor([[float(local[k]) for k in keys]], dtype=torch.float64))
+        out = {}
+        for i, k in enumerate(keys):
+            col = values[:, i]
+            if k.endswith(("_nfe", "/syncs")):
+                out[k] = float(col.sum())
+            elif k.startswith(("time/", "memory/")):
+                out[k] = float(col.max())
+            else:
+                out[k] = float(col.nanmean())
+        return out
+
+    def leaf_view(self, r: dict) -> dict:
+        """A tree's leaves as independent samples grouped by tree: what a forward-process
+        objective (NFT) trains on, since it needs only clean samples and their group."""
+        traj = r["traj"]
+        trees = traj.tree[traj.leaf_nodes()].cpu()
+        cond = r["cond"].select([traj.cond_rows[t] for t in trees.tolist()])
+        groups = trees + self.acc.process_index * traj.num_trees
+        return {**r, "traj": traj.path_trajectory(), "cond": cond, "groups": groups}
+
+    def train_step(self, step: int) -> dict:
+        r = self.rollout_and_score(step)
+        if isinstance(r["traj"], TreeTrajectory) and self.old_policy is not None:
+            r = self.leaf_view(r)
+        traj, cond, total, comps = r["traj"], r["cond"], r["total"], r["comps"]
+        train, extra = None, self.across_processes(r["extra"])
+        if isinstance(traj, TreeTrajectory):
+            all_total, adv, keep, filtered, dropped, train, stats = self.tree_advantages(traj, total, comps, step)
+            extra.update(stats)
+        else:
+            all_total, adv, keep, filtered, dropped = self.advantages(r["groups"], total, comps)
+        nfe = int(self.gather(torch.tensor([r["nfe"]])).sum())  # all processes
+        finite = all_total[torch.isfinite(all_total)]
+        none = torch.tensor(float("nan"))  # logged as null: no finite reward this iteration
+        metrics = {"reward/mean": finite.mean() if len(finite) else none,
+                   "reward/std": finite.std(unbiased=False) if len(finite) else none,
+                   "reward/nonfinite_samples": len(all_total) - len(finite), "advantage/dropped_groups": dropped,
+                   "advantage/filtered_fraction": filtered, "rollout/nfe": nfe,
+                   "rollout/nfe_per_leaf": nfe / len(all_total), **extra}
+        for name, values in r["logs"].items():
+            values = self.gather(values)
+            if not bool(torch.isnan(values).all()):  # NaN: the score does not apply to that sample
+                metrics[f"reward/{name}/mean"] = values.nanmean()
+        # groups with a non-finite reward were dropped (advantages); train on the rest,
+        # unless nothing is left
+        if dropped and not bool(self.gather(keep.float()).sum() > 0):
+            self.counters.skipped_nonfinite_reward += 1
+        else:
+            clock = StageClock(self.acc.device)
+            with clock.stage("update"):
+                metrics.update(self.updater.run(traj, cond, adv, keep, step, train))
+            metrics.update(self.across_processes(clock.metrics))
+        if self.old_policy is not None:
+            # DiffusionNFT's schedule is a function of the optimizer steps completed so far
+            # (its global_step after this epoch's update), not of the iteration index
+            self.old_policy.refresh(self.counters.optimizer_steps)
+        metrics.update({"skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
+                        "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,
+                        "optimizer_steps": self.counters.optimizer_steps, "lr": self.scheduler.get_last_lr()[0]})
+        return metrics
+
+    def evaluate(self) -> dict:
+        """Held-out prompts (``eval/``) and, if configured, the training subset (``eval_train/``)."""
+        ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            sheets = self.cfg.run_dir / "samples"
+            if self.acc.is_main_process:
+                sheets.mkdir(parents=True, exist_ok=True)
+            out = evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn, self.eval_prompts,
+                           self.cfg, sheet_path=sheets / f"step-{self.step}.png")
+            if self.train_eval_prompts:
+                out.update(evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn,
+                                    self.train_eval_prompts, self.cfg, prefix="eval_train",
+                                    num_prompts=len(self.train_eval_prompts)))
+            return out
+
+    # -- loop -----------------------------------------------------------------------------
+    def resume(self, spec: str) -> None:
+        path = ckpt.resolve_resume(spec, self.cfg.run_dir, log=self.acc.print)
+        self.step = ckpt.load_checkpoint(self.acc, self.policy, path, self.cfg.model)
+        self.acc.print(f"resumed from {path} at step {self.step}")
+
+    def fit(self) -> list[dict]:
+        cfg = self.cfg
+        run_dir = cfg.run_dir
+        if self.step == 0:  # a fresh start (not a resume) never mixes with an earlier run
+            run_dir_guard.ensure_fresh(run_dir)
+            self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
+        self.acc.init_trackers(cfg.run_name)
+        self.acc.print(format_plan(self.numbers))
+        logger = MetricsLogger(self.acc, run_dir, resume_step=self.step)
+        history = []
+        if cfg.eval.at_start and self.step == 0:
+            history.append(logger.log(0, self.evaluate()))
+            say(self.acc, eval_line(0, history[-1], self.headline_metrics()))
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (cfg.logging.progress_bar and self.acc.is_local_main_process),
+                   desc="train")
+        while self.step < cfg.train.max_steps:
+            before = (self.counters.optimizer_steps, self.counters.skipped_nonfinite_loss)
+            metrics = self.train_step(self.step)
+            self.step += 1
+            self._watch_updates(metrics, before)
+            last = self.step == cfg.train.max_steps
+            evaluated = cfg.eval.every and (self.step % cfg.eval.every == 0 or last)
+            if evaluated:
+                metrics.update(self.evaluate())
+            history.append(logger.log(self.step, metrics))
+            if evaluated:
+                say(self.acc, eval_line(self.step, history[-1], self.headline_metrics()))
+            bar.update(1)
+            bar.set_postfix(progress_fields(history[-1]))
+            if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                ckpt.save_checkpoint(self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep)
+        bar.close()
+        self.acc.wait_for_everyone()
+        self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
+        latest = ckpt.latest_complete(run_dir)
+        self.acc.print(closing_lines(run_dir, latest[1] if latest else None))
+        self.acc.end_training()
+        return history
+
+    def _watch_updates(self, metrics: dict, before: tuple[int, int]) -> None:
+        """Say so when an iteration applied no update; stop after too many in a row."""
+        c = self.counters
+        if c.optimizer_steps > before[0]:
+            c.iterations_without_update = 0
+            return
+        c.iterations_without_update += 1
+        say(self.acc, no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
+        latest = ckpt.latest_complete(self.cfg.run_dir)
+        check_stalled(c.iterations_without_update, self.cfg.train.max_skipped_iterations,
+                      str(latest[1]) if latest else None)
+
+    def headline_metrics(self) -> tuple[str, ...]:
+        """Listed first in the summary: a verifier's strict score (``<reward>_strict``, as
+        ShapeWorld logs) if there is one, else the first reward."""
+        first = self.cfg.rewards[0].name
+        return (f"eval/{first}_strict/mean", f"eval/{first}/mean")

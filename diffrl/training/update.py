@@ -1,0 +1,183 @@
+"""The policy-update stage: replay stored trajectories through the objective.
+
+For each inner epoch, :mod:`diffrl.training.passes` lays the iteration's transitions out into
+forward passes and optimizer steps (keyed by seed and step, so a resumed run shuffles
+identically): micro-batches of samples for independent trajectories, per-step batches of
+edges for trees.
+
+A non-finite loss or gradient norm on any process skips that optimizer step on every
+process (the gradient is discarded and the skip is counted), so a blow-up is never
+applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from diffrl.algorithms.anchor import anchor_loss
+from diffrl.algorithms.flow_grpo import LossContext, StepBatch
+from diffrl.sampling import rng
+from diffrl.training.passes import Pass, edge_major, sample_major, step_edge_counts
+
+
+@dataclass
+class UpdateCounters:
+    """Persistent counters (checkpointed through accelerate's registered objects)."""
+
+    optimizer_steps: int = 0
+    skipped_nonfinite_loss: int = 0
+    skipped_nonfinite_reward: int = 0
+    iterations_without_update: int = 0  # in a row, up to the last iteration (diffrl.training.watchdog)
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+def _any_process(accelerator, flag: bool) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+
+
+class Updater:
+    """Runs the objective over a trajectory and steps the optimizer."""
+
+    def __init__(self, accelerator, policy, adapter, model, optimizer, scheduler, objective, cfg,
+                 counters: UpdateCounters, ema=None, old_policy=None):
+        self.acc, self.policy, self.adapter, self.model = accelerator, policy, adapter, model
+        self.optimizer, self.scheduler, self.objective, self.cfg = optimizer, scheduler, objective, cfg
+        self.counters, self.ema, self.old_policy = counters, ema, old_policy
+        self.forward_process = getattr(objective, "forward_process", False)
+        self.after_step: list = []  # called after every applied optimizer step (Sol-RL marks its copy stale)
+
+    def loss_context(self) -> LossContext:
+        guidance = self.cfg.objective.train_cfg
+
+        def policy_velocity(x, sigma, cond):
+            return self.adapter.velocity(self.model, x, sigma, cond, guidance=guidance)
+
+        def reference_velocity(x, sigma, cond):
+            with self.policy.reference() as ref:
+                return self.adapter.velocity(ref, x, sigma, cond, guidance=guidance)
+
+        old_velocity = None
+        if self.old_policy is not None:
+            def old_velocity(x, sigma, cond):
+                # swaps the old weights into the live parameters: call before the policy
+                # forward whose graph is kept, never between it and backward
+                with torch.no_grad(), self.old_policy.swapped_in():
+                    return self.adapter.velocity(self.model, x, sigma, cond, guidance=guidance)
+
+        return LossContext(policy_velocity, reference_velocity, self.cfg.objective, self.cfg.sampling.noise_level,
+                           old_velocity)
+
+    def run(self, traj, cond, advantages: torch.Tensor, keep: torch.Tensor, step: int,
+            train: torch.Tensor | None = None) -> dict[str, float]:
+        """Update on ``traj``. Independent trajectories index ``advantages``/``keep`` by
+        sample; trees index them by node and pass ``train``, the edges to backpropagate."""
+        cfg = self.cfg
+        ctx = self.loss_context()
+        if train is None:
+            # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
+            trainable = list(range(traj.num_steps)) if self.forward_process else traj.trainable_steps()
+            if not trainable:
+                raise ValueError("no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty")
+            anchored = [t for t in range(traj.num_steps) if t not in trainable] if cfg.objective.anchor_coef > 0 else []
+
+            def plan(epoch):
+                return sample_major(len(traj.keys), trainable, cfg, step, epoch, anchored)
+        else:
+            if not bool(train.any()):  # everything pruned at this iteration: nothing to update
+                return {}
+
+            pad_to = self._common_edge_counts(train, traj)
+
+            def plan(epoch):
+                return edge_major(train, traj.depth, traj.num_leaves, cfg, step, epoch, keep, pad_to)
+        totals: dict[str, list[float]] = defaultdict(list)
+        for epoch in range(cfg.train.num_inner_epochs):
+            for passes in plan(epoch):
+                self._optimizer_step(ctx, traj, cond, advantages, keep, passes, totals, epoch)
+        return {k: sum(v) / len(v) for k, v in totals.items()}
+
+    def _common_edge_counts(self, train, traj) -> dict[int, int] | None:
+        """Per-step edge counts, the maximum over processes: trees of different shapes
+        (Sol-RL sub-trees) would otherwise give processes different passes, and every
+        pass runs collectives. None on one process."""
+        if self.acc.num_processes == 1:
+            return None
+        local = torch.zeros(traj.num_steps, dtype=torch.long)
+        for t, n in step_edge_counts(train, traj.depth, self.cfg).items():
+            local[t] = n
+        everywhere = self.acc.gather(local.unsqueeze(0).to(self.acc.device)).cpu().amax(0)
+        return {t: int(n) for t, n in enumerate(everywhere.tolist()) if n > 0}
+
+    def _optimizer_step(self, ctx, traj, cond, advantages, keep, passes: list[Pass], totals, epoch: int = 0) -> None:
+        """Accumulate gradients over ``passes``, then step once."""
+        bad = False
+        for i, p in enumerate(passes):
+            batch = self._step_batch(traj, cond, advantages, keep, p)
+            if self.forward_process and not p.anchor:
+                batch = self._forward_noised(batch, traj, p, epoch)
+            last = i == len(passes) - 1
+            sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
+            with sync, self.acc.autocast():
+                loss, stats = (anchor_loss if p.anchor else self.objective)(ctx, batch)
+            if _any_process(self.acc, not bool(torch.isfinite(loss))):
+                bad = True
+            if not bad:
+                num, den = p.share
+                # num == 1: divide only, as before shares existed (keeps old runs bitwise equal)
+                self.acc.backward(loss * num / den if num != 1 else loss / den)
+            for k, v in stats.items():
+                totals[k].append(float(v))
+        grad_norm = None
+        if not bad and self.cfg.optim.max_grad_norm > 0:
+            grad_norm = self.acc.clip_grad_norm_(self.policy.trainable_parameters(), self.cfg.optim.max_grad_norm)
+            bad = _any_process(self.acc, not bool(torch.isfinite(grad_norm)))
+        if bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.counters.skipped_nonfinite_loss += 1
+            return
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.counters.optimizer_steps += 1
+        if self.ema is not None:
+            self.ema.update()
+        for hook in self.after_step:
+            hook()
+        if grad_norm is not None:
+            totals["grad_norm"].append(float(grad_norm))
+
+    def _step_batch(self, traj, cond, advantages, keep, p: Pass) -> StepBatch:
+        device, t = self.acc.device, p.t
+        x_t, x_next, old_log_prob, cond_rows = traj.transition(p.rows, t)
+        ix = torch.as_tensor(p.rows)
+        sigmas = traj.sigmas.to(device)
+        return StepBatch(
+            x_t=x_t.to(device), x_next=x_next.to(device), sigma=sigmas[t], sigma_next=sigmas[t + 1],
+            sigma_1=float(traj.sigmas[1]) if len(traj.sigmas) > 1 else None, kind=traj.step_kinds[t],
+            old_log_prob=old_log_prob.to(device), advantages=advantages[ix].to(device), cond=cond.select(cond_rows),
+            weights=(keep[ix] & self._live(p)).float().to(device), noise_level=traj.noise_levels[t] if traj.noise_levels else None,
+        )
+
+    @staticmethod
+    def _live(p: Pass) -> torch.Tensor:
+        return torch.ones(len(p.rows), dtype=torch.bool) if p.live is None else torch.tensor(p.live)
+
+    def _forward_noised(self, batch: StepBatch, traj, p: Pass, epoch: int) -> StepBatch:
+        """DiffusionNFT's input: x_t = (1 - sigma_t) x0 + sigma_t eps with fresh noise keyed
+        by (sample key, epoch, t), so a resumed run draws the same noise."""
+        x0 = traj.latents[torch.as_tensor(p.rows), -1].to(batch.x_t.device)
+        keys = [traj.keys[i] for i in p.rows]
+        eps = rng.randn_batch(x0.shape[1:], keys, "nft", epoch, p.t).to(x0.device)
+        sigma = batch.sigma.to(x0.device)
+        batch.x0, batch.x_t = x0, (1 - sigma) * x0 + sigma * eps
+        return batch

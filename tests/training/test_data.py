@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from diffrl.training.data import PromptFileError, load_prompts, plan_step
+
+
+def test_txt_and_jsonl(tmp_path):
+    (tmp_path / "p.txt").write_text("# comment\n a cat \n\nb dog\n")
+    assert load_prompts(tmp_path / "p.txt") == ["a cat", "b dog"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n{"prompt": "y", "extra": 1}\n')
+    assert load_prompts(tmp_path / "p.jsonl") == ["x", "y"]
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("missing.txt", None, "does not exist"),
+    ("empty.txt", "# only a comment\n\n", "has no prompts"),
+    ("bad.jsonl", '{"prompt": "ok"}\n{not json}\n', r"bad\.jsonl:2: invalid JSON"),
+    ("noprompt.jsonl", '{"text": "x"}\n', r"noprompt\.jsonl:1: expected an object with a string 'prompt'"),
+])
+def test_bad_prompt_files(tmp_path, name, content, match):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(PromptFileError, match=match):
+        load_prompts(path)
+
+
+def test_non_utf8_prompt_file(tmp_path):
+    path = tmp_path / "latin.txt"
+    path.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(PromptFileError, match="not UTF-8"):
+        load_prompts(path)
+
+
+def test_plan_is_deterministic_grouped_and_shards():
+    prompts = [f"p{i}" for i in range(10)]
+    a, b = plan_step(prompts, 3, 5, 3, 4), plan_step(prompts, 3, 5, 3, 4)
+    assert a.prompts == b.prompts and a.keys == b.keys
+    assert a.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert len(set(a.prompts)) == 3  # without replacement
+    assert plan_step(prompts, 3, 6, 3, 4).keys != a.keys
+    sl, shard = a.shard(1, 2)
+    assert shard.prompts == a.prompts[6:] and torch.equal(shard.group_ids, a.group_ids[6:])
+    with pytest.raises(ValueError, match="divisible"):
+        a.shard(0, 5)
+
+
+def test_shipped_prompt_paths_work_from_any_directory(tmp_path, monkeypatch):
+    from diffrl.cli import main
+    from diffrl.training.data import PROJECT_ROOT, load_prompts
+
+    here = load_prompts("assets/shapeworld/train.txt")
+    monkeypatch.chdir(tmp_path)
+    assert load_prompts("assets/shapeworld/train.txt") == here
+    (tmp_path / "assets" / "shapeworld").mkdir(parents=True)
+    (tmp_path / "assets" / "shapeworld" / "train.txt").write_text("my own prompt\n")
+    assert load_prompts("assets/shapeworld/train.txt") == ["my own prompt"]  # the working directory wins
+    assert main(["--config", "toy_flowgrpo", "--dry-run"]) == 0
+    assert (PROJECT_ROOT / "configs" / "toy_flowgrpo.yaml").is_file()
+
+
+def test_the_installed_entry_points_run_the_cli():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "diffrl.train", "--config", "tiny_toy_flowgrpo", "--dry-run"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "run plan:" in out.stdout, out.stderr
+    from diffrl.training.data import PROJECT_ROOT
+
+    # the console script the package installs points at the same function
+    assert 'diffrl-train = "diffrl.train:entry"' in (PROJECT_ROOT / "pyproject.toml").read_text()

@@ -1,0 +1,122 @@
+"""Pass plans: every trained edge once per epoch, shares that average each optimizer
+step, a pass count that depends only on per-step edge counts (so DDP processes agree),
+and the independent plan's optimizer-step count."""
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from diffrl.config import load_config
+from diffrl.sampling import TreeSpec
+from diffrl.training.passes import edge_major, optimizer_steps_per_epoch, sample_major, step_edge_counts
+
+
+def _cfg(*overrides):
+    return load_config("toy_branchgrpo", list(overrides))
+
+
+def _mask(seed: int):
+    """A random trained-edge mask with 40 edges at every step of a 16-tree layout."""
+    lay = TreeSpec.build(10, [0, 1, 2, 3], [2]).layout(16)
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(len(lay["depth"]), dtype=torch.bool)
+    for d in range(1, 11):
+        idx = torch.nonzero(lay["depth"] == d).flatten()
+        mask[idx[torch.randperm(len(idx), generator=g)[:40]]] = True
+    return mask, lay["depth"]
+
+
+@pytest.mark.parametrize("weighting", ["edge", "depth"])
+def test_edge_plan_covers_every_edge_once_with_shares_summing_to_one(weighting):
+    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    mask, depth = _mask(0)
+    groups = edge_major(mask, depth, 256, cfg, step=7, epoch=1)
+    assert len(groups) == optimizer_steps_per_epoch(256, cfg) == 8
+    assert max(len(p.rows) for g in groups for p in g) == 4  # 40 edges per step / 8 groups, in chunks of 4
+    rows = sorted(r for g in groups for p in g for r in p.rows)
+    assert rows == torch.nonzero(mask).flatten().tolist()
+    for g in groups:
+        assert sum(Fraction(*p.share) for p in g) == 1
+        assert all(len(p.rows) <= 4 and set((depth[p.rows] - 1).tolist()) == {p.t} for p in g)
+        if weighting == "depth":  # every step present in the group weighs the same
+            per_step = {}
+            for p in g:
+                per_step[p.t] = per_step.get(p.t, 0) + Fraction(*p.share)
+            assert len(set(per_step.values())) == 1
+
+
+def test_pass_structure_depends_only_on_per_step_counts():
+    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8")
+    a = edge_major(*_mask(0), 256, cfg, 3, 0)
+    b = edge_major(*_mask(1), 256, cfg, 3, 0)
+    assert [[(len(p.rows), p.t, p.share) for p in g] for g in a] == [[(len(p.rows), p.t, p.share) for p in g] for g in b]
+
+
+def test_timestep_fraction_keeps_that_share_of_each_step():
+    cfg = _cfg("objective.timestep_fraction=0.4", "train.micro_batch_size=64")
+    mask, depth = _mask(0)
+    rows = [r for g in edge_major(mask, depth, 256, cfg, 0, 0) for p in g for r in p.rows]
+    # step 0 has only 32 edges (2 nodes x 16 trees): ceil(0.4 * 32) = 13; the others 0.4 * 40
+    assert torch.bincount(depth[rows] - 1, minlength=10).tolist() == [13] + [16] * 9
+
+
+def test_sample_plan_steps_once_per_accumulated_micro_batches():
+    cfg = load_config("toy_flowgrpo", ["train.micro_batch_size=16", "train.gradient_accumulation=3"])
+    groups = sample_major(100, [0, 1, 2, 3], cfg, 0, 0)
+    assert len(groups) == optimizer_steps_per_epoch(100, cfg) == 3
+    assert sorted(r for g in groups for p in g if p.t == 0 for r in p.rows) == list(range(100))
+
+
+@pytest.mark.parametrize("weighting", ["edge", "depth"])
+def test_masked_edges_weigh_as_zero_losses(weighting):
+    """The objective averages over a pass's kept rows; shares of kept / all edges make
+    every kept edge of a step weigh 1 / (edges), whatever the pass composition."""
+    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    mask, depth = _mask(0)
+    keep = torch.rand(len(mask), generator=torch.Generator().manual_seed(1)) > 0.3
+    for g in edge_major(mask, depth, 256, cfg, 0, 0, keep):
+        edges = {t: sum(len(p.rows) for p in g if p.t == t) for t in {p.t for p in g}}
+        for p in g:
+            kept = int(keep[p.rows].sum())
+            assert p.share[0] == kept
+            per_edge = Fraction(1, edges[p.t] * len(edges)) if weighting == "depth" else Fraction(1, sum(edges.values()))
+            assert Fraction(*p.share) == kept * per_edge
+
+
+def _thinned(mask, depth, seed):
+    """``mask`` with a random third of each step's edges removed: a sub-tree-like shape."""
+    g = torch.Generator().manual_seed(seed)
+    out = mask.clone()
+    for d in range(1, 11):
+        idx = torch.nonzero(mask & (depth == d)).flatten()
+        out[idx[torch.randperm(len(idx), generator=g)[:len(idx) // 3 + (d + seed) % 3]]] = False
+    return out
+
+
+@pytest.mark.parametrize("weighting", ["edge", "depth"])
+def test_padding_gives_processes_one_pass_structure_and_leaves_live_rows_alone(weighting):
+    """Two processes with differently shaped trees (Sol-RL sub-trees): padded to the per-step
+    maximum, both get the same passes of the same sizes; dead rows sit at the right depth,
+    and the live rows carry exactly the shares the unpadded plan gives them."""
+    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    mask, depth = _mask(3)
+    a, b = _thinned(mask, depth, 0), _thinned(mask, depth, 1)
+    counts_a, counts_b = step_edge_counts(a, depth, cfg), step_edge_counts(b, depth, cfg)
+    assert counts_a != counts_b
+    pad = {t: max(counts_a.get(t, 0), counts_b.get(t, 0)) for t in set(counts_a) | set(counts_b)}
+    plans = [edge_major(m, depth, 256, cfg, 5, 0, pad_to=pad) for m in (a, b)]
+    shape = [[(p.t, len(p.rows)) for p in g] for g in plans[0]]
+    assert shape == [[(p.t, len(p.rows)) for p in g] for g in plans[1]]
+    for m, plan in zip((a, b), plans):
+        live_rows = []
+        for g in plan:
+            live_share, group_live = Fraction(0), 0
+            for p in g:
+                live = p.live or [True] * len(p.rows)
+                assert all(int(depth[r]) - 1 == p.t for r in p.rows)  # dead rows repeat a node of that depth
+                assert p.share[0] == sum(live)  # keep is all True here: the numerator counts live rows only
+                live_rows += [r for r, alive in zip(p.rows, live) if alive]
+                live_share, group_live = live_share + Fraction(*p.share), group_live + sum(live)
+            assert live_share == (1 if group_live else 0)  # each optimizer step averages its live edges
+        assert sorted(live_rows) == torch.nonzero(m).flatten().tolist()  # every live edge once
