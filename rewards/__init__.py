@@ -12,10 +12,11 @@ Registration is by factory, so nothing is loaded at import time:
 from __future__ import annotations
 
 import difflib
-import importlib
+
+from rewards.registry import Registry
 
 # name -> "module:factory"; factories take the config's ``args`` as keyword arguments
-_REGISTRY: dict[str, str] = {
+_FACTORIES: dict[str, str] = {
     "jpeg_compressibility": "rewards.jpeg:JpegCompressibility",
     "jpeg_incompressibility": "rewards.jpeg:JpegIncompressibility",
     "shapeworld": "rewards.shapeworld:ShapeWorldVerifier",
@@ -39,22 +40,24 @@ class RewardArgsError(ValueError):
     """A reward's ``args`` (or the reward list) in the config are wrong; names the fix."""
 
 
+REWARDS = Registry("reward", _FACTORIES, error=UnknownRewardError)
+
+
 def register(name: str, target: str) -> None:
     """Register ``"package.module:Factory"`` under ``name`` (imported on first build)."""
-    _REGISTRY[name] = target
+    REWARDS.register(name, target)
+
+
+def unregister(name: str) -> None:
+    REWARDS.unregister(name)
 
 
 def available() -> list[str]:
-    return sorted(_REGISTRY)
+    return REWARDS.available()
 
 
 def _factory(name: str):
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, available(), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise UnknownRewardError(f"unknown reward '{name}'.{hint} Valid rewards: {', '.join(available())}")
-    module, attr = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), attr)
+    return REWARDS.get(name)
 
 
 def check(name: str, **kwargs) -> None:
@@ -90,4 +93,5 @@ def _check_arg_names(name: str, factory, kwargs: dict) -> None:
                               f"Its arguments: {', '.join(valid) or 'none'}")
 
 
-__all__ = ["RewardArgsError", "UnknownRewardError", "available", "build", "check", "register"]
+__all__ = ["REWARDS", "RewardArgsError", "UnknownRewardError", "available", "build", "check", "register",
+           "unregister"]

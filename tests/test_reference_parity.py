@@ -203,8 +203,8 @@ NFT = load("diffusionnft.json")
 
 @pytest.mark.parametrize("case", range(8))
 def test_nft_loss_matches_the_diffusionnft_training_loop(case):
-    from diffrl.algorithms.flow_grpo import LossContext, StepBatch
     from diffrl.algorithms.nft import nft_loss
+    from diffrl.algorithms.objective import LossContext, StepBatch
 
     inp, fix = NFT["inputs"], NFT["loss_cases"][case]
     x0, noise = tensor(inp["x0_values"]).float(), tensor(inp["noise_values"]).float()

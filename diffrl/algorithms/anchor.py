@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrl.algorithms.flow_grpo import LossContext, StepBatch, masked_mean
+from diffrl.algorithms.objective import LossContext, StepBatch, masked_mean
 
 
 def anchor_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -22,50 +22,10 @@ flow_grpo's, so reference hyper-parameters need ``kl_type: flow_grpo``
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from diffrl.models.base import Conditioning
+from diffrl.algorithms.objective import LossContext, Objective, StepBatch, masked_mean, register_objective
 from diffrl.sampling.sde import gaussian_kl, step
-
-
-@dataclass
-class StepBatch:
-    """One denoising step of a micro-batch, read from a Trajectory."""
-
-    x_t: torch.Tensor
-    x_next: torch.Tensor
-    sigma: torch.Tensor  # scalar
-    sigma_next: torch.Tensor  # scalar
-    sigma_1: float | None
-    kind: str
-    old_log_prob: torch.Tensor  # (B,)
-    advantages: torch.Tensor  # (B,)
-    cond: Conditioning
-    weights: torch.Tensor | None = None  # (B,) 1 = train on the sample, 0 = masked out
-    noise_level: float | None = None  # the step rule's noise level at this step (None: the context's)
-    x0: torch.Tensor | None = None  # clean final latents (forward-process objectives: DiffusionNFT)
-
-
-def masked_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Mean over samples with weight 1. Masking (rather than dropping) keeps every process
-    running the same forwards, which DDP's collective backward requires."""
-    if weights is None:
-        return values.mean()
-    return (values * weights).sum() / weights.sum().clamp(min=1.0)
-
-
-@dataclass
-class LossContext:
-    """What an objective may call: velocities of the policy (with grad) and reference."""
-
-    policy_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
-    reference_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None
-    objective_cfg: object
-    noise_level: float
-    old_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None = None  # NFT's old policy
 
 
 def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -104,19 +64,5 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     return loss, stats
 
 
-flow_grpo_loss.forward_process = False
-_OBJECTIVES = {"flow_grpo": flow_grpo_loss}
-
-
-def register_objective(name: str, fn) -> None:
-    _OBJECTIVES[name] = fn
-
-
-def available_objectives() -> list[str]:
-    return sorted(_OBJECTIVES)
-
-
-def get_objective(name: str):
-    if name not in _OBJECTIVES:
-        raise ValueError(f"unknown objective '{name}'; valid: {', '.join(available_objectives())}")
-    return _OBJECTIVES[name]
+FLOW_GRPO = Objective("flow_grpo", flow_grpo_loss, trains_on="transitions")
+register_objective(FLOW_GRPO)

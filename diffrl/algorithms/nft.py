@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrl.algorithms.flow_grpo import LossContext, StepBatch, masked_mean
+from diffrl.algorithms.objective import LossContext, Objective, StepBatch, masked_mean, register_objective
 
 
 def _per_sample_mean(x: torch.Tensor) -> torch.Tensor:
@@ -99,4 +99,5 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     return loss, stats
 
 
-nft_loss.forward_process = True
+NFT = Objective("nft", nft_loss, trains_on="clean_samples", needs_old_policy=True)
+register_objective(NFT)

@@ -6,34 +6,30 @@ touches diffusers' heavier pipeline code (or the network) until a run builds a m
 
 from __future__ import annotations
 
-import importlib
-
 from diffrl.models.base import Conditioning, FlowAdapter, ModelLoadError
+from rewards.registry import Registry
 
-# family name -> "module:Class"
-_FAMILIES = {
+# family name -> "module:Class", imported on first use
+FAMILIES = Registry("model family", {
     "flux": "diffrl.models.flux:FluxAdapter",
     "sd3": "diffrl.models.sd3:SD3Adapter",
     "sana": "diffrl.models.sana:SanaAdapter",
     "wan": "diffrl.models.wan:WanAdapter",
     "toy": "diffrl.models.toy:ToyAdapter",
-}
+}, plural="model families")
 
 
 def register(family: str, target: str) -> None:
     """Register an adapter class as ``"package.module:ClassName"`` (imported on first use)."""
-    _FAMILIES[family] = target
+    FAMILIES.register(family, target)
 
 
 def available() -> list[str]:
-    return sorted(_FAMILIES)
+    return FAMILIES.available()
 
 
 def adapter_class(family: str) -> type[FlowAdapter]:
-    if family not in _FAMILIES:
-        raise ValueError(f"unknown model family '{family}'; valid families: {', '.join(available())}")
-    module, name = _FAMILIES[family].split(":")
-    return getattr(importlib.import_module(module), name)
+    return FAMILIES.get(family)
 
 
 def build_adapter(model_cfg, device=None) -> FlowAdapter:

@@ -12,22 +12,22 @@ from __future__ import annotations
 from diffrl.sampling.rollout import Trajectory, rollout_independent
 from diffrl.sampling.sde import STEP_KINDS, gaussian_kl, gaussian_log_prob, step
 from diffrl.sampling.tree import TreeSpec, TreeTrajectory, rollout_tree
+from rewards.registry import Registry
 
-_STRATEGIES = {"independent": rollout_independent, "tree": rollout_tree}
+STRATEGIES = Registry("rollout strategy", {"independent": rollout_independent, "tree": rollout_tree},
+                      plural="rollout strategies")
 
 
 def register_strategy(name: str, fn) -> None:
-    _STRATEGIES[name] = fn
+    STRATEGIES.register(name, fn)
 
 
 def available_strategies() -> list[str]:
-    return sorted(_STRATEGIES)
+    return STRATEGIES.available()
 
 
 def get_strategy(name: str):
-    if name not in _STRATEGIES:
-        raise ValueError(f"unknown rollout strategy '{name}'; valid: {', '.join(available_strategies())}")
-    return _STRATEGIES[name]
+    return STRATEGIES.get(name)
 
 
 __all__ = ["STEP_KINDS", "Trajectory", "available_strategies", "gaussian_kl", "gaussian_log_prob",

@@ -110,7 +110,7 @@ class Trainer:
             self.acc.register_for_checkpointing(self.ema)
         ckpt.install_accelerate_hooks(self.acc)
         self.old_policy = None
-        if getattr(self.objective, "forward_process", False):
+        if self.objective.needs_old_policy:
             o = cfg.objective
             self.old_policy = OldPolicy(self.policy.trainable_parameters(), o.nft_old_decay_flat, o.nft_old_decay_rate,
                                         o.nft_old_decay_max)
@@ -212,7 +212,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         r = self.rollout_and_score(step)
-        if isinstance(r["traj"], TreeTrajectory) and self.old_policy is not None:
+        if isinstance(r["traj"], TreeTrajectory) and self.objective.forward_process:
             r = self.leaf_view(r)
         traj, cond, total, comps = r["traj"], r["cond"], r["total"], r["comps"]
         train, extra = None, self.across_processes(r["extra"])

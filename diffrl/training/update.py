@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from diffrl.algorithms.anchor import anchor_loss
-from diffrl.algorithms.flow_grpo import LossContext, StepBatch
+from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.sampling import rng
 from diffrl.training.passes import Pass, edge_major, sample_major, step_edge_counts
 
@@ -53,7 +53,7 @@ class Updater:
         self.acc, self.policy, self.adapter, self.model = accelerator, policy, adapter, model
         self.optimizer, self.scheduler, self.objective, self.cfg = optimizer, scheduler, objective, cfg
         self.counters, self.ema, self.old_policy = counters, ema, old_policy
-        self.forward_process = getattr(objective, "forward_process", False)
+        self.forward_process = objective.forward_process
         self.after_step: list = []  # called after every applied optimizer step (Sol-RL marks its copy stale)
 
     def loss_context(self) -> LossContext:

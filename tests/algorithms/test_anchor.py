@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffrl.algorithms.anchor import anchor_loss
-from diffrl.algorithms.flow_grpo import LossContext, StepBatch
+from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.config import ConfigError, load_config
 from diffrl.training.passes import sample_major
 from diffrl.training.trainer import Trainer

@@ -5,7 +5,8 @@ import types
 import pytest
 import torch
 
-from diffrl.algorithms.flow_grpo import LossContext, StepBatch, flow_grpo_loss
+from diffrl.algorithms.flow_grpo import flow_grpo_loss
+from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.models.base import Conditioning
 from diffrl.sampling.sde import step
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from diffrl.algorithms import get_objective
-from diffrl.algorithms.flow_grpo import LossContext, StepBatch
 from diffrl.algorithms.nft import optimality_probability
+from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.training.policy import OldPolicy
 
 

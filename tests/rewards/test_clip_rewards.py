@@ -162,7 +162,7 @@ def test_reduced_precision_and_to(weights, models, family):
 
 
 def test_build_through_registry(weights, monkeypatch):
-    monkeypatch.setitem(rewards._REGISTRY, "clipscore", "rewards.clipscore:CLIPScore")
+    monkeypatch.setitem(rewards.REWARDS._entries, "clipscore", "rewards.clipscore:CLIPScore")
     reward = rewards.build("clipscore", pretrained=str(weights / "clip"), batch_size=2)
     assert reward(images(3), PROMPTS[:3], {})["clipscore"].shape == (3,)
 

@@ -183,7 +183,8 @@ def test_tree_config_errors_name_the_field(override, message):
 
 
 def test_on_policy_ratio_is_one_on_every_tree_edge_including_scaled_splits():
-    from diffrl.algorithms.flow_grpo import LossContext, StepBatch, flow_grpo_loss
+    from diffrl.algorithms.flow_grpo import flow_grpo_loss
+    from diffrl.algorithms.objective import LossContext, StepBatch
 
     cfg, adapter, cond, tree = _toy_tree(split_steps=(0, 2), factors=(2,), scale=3.0)
 

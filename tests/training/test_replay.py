@@ -4,7 +4,8 @@ before any update, and rollouts do not depend on how samples are batched."""
 import pytest
 import torch
 
-from diffrl.algorithms.flow_grpo import LossContext, StepBatch, flow_grpo_loss
+from diffrl.algorithms.flow_grpo import flow_grpo_loss
+from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.models import build_adapter
 from diffrl.sampling.rollout import rollout_independent
 from diffrl.training.policy import Policy

@@ -93,7 +93,7 @@ def nan_reward():
 
     rewards.register("nan_every", "tests.helpers:NanEvery")
     yield
-    rewards._REGISTRY.pop("nan_every")
+    rewards.unregister("nan_every")
 
 
 def test_a_nan_reward_drops_its_group_and_trains_on_the_rest(tiny_cfg, nan_reward):

@@ -1,0 +1,93 @@
+"""The objective interface: what an objective trains on and what it needs.
+
+An objective turns one forward pass (a :class:`StepBatch`: rows of one denoising step)
+into a loss, given a :class:`LossContext` (the velocities of the policy, the reference
+and, if needed, the old policy). :class:`Objective` says which data it trains on:
+
+* ``transitions``: stored rollout transitions x_t -> x_{t+1} with their log-probs
+  (flow-GRPO): only stochastic steps are trainable, and replay must reproduce the
+  rollout's numerics.
+* ``clean_samples``: the final clean latents, noised afresh at any step (the forward
+  process, DiffusionNFT): no log-probs, any sampler, every step trainable.
+
+``needs_old_policy`` asks the trainer for an EMA old policy (DiffusionNFT's v_old).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from diffrl.models.base import Conditioning
+from rewards.registry import Registry
+
+
+@dataclass
+class StepBatch:
+    """One denoising step of a micro-batch, read from a Trajectory."""
+
+    x_t: torch.Tensor
+    x_next: torch.Tensor
+    sigma: torch.Tensor  # scalar
+    sigma_next: torch.Tensor  # scalar
+    sigma_1: float | None
+    kind: str
+    old_log_prob: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,)
+    cond: Conditioning
+    weights: torch.Tensor | None = None  # (B,) 1 = train on the sample, 0 = masked out
+    noise_level: float | None = None  # the step rule's noise level at this step (None: the context's)
+    x0: torch.Tensor | None = None  # clean final latents (forward-process objectives: DiffusionNFT)
+
+
+def masked_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean over samples with weight 1. Masking (rather than dropping) keeps every process
+    running the same forwards, which DDP's collective backward requires."""
+    if weights is None:
+        return values.mean()
+    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+@dataclass
+class LossContext:
+    """What an objective may call: velocities of the policy (with grad) and reference."""
+
+    policy_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
+    reference_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None
+    objective_cfg: object
+    noise_level: float
+    old_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None = None  # NFT's old policy
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    loss: Callable  # (LossContext, StepBatch) -> (loss, stats)
+    trains_on: Literal["transitions", "clean_samples"] = "transitions"
+    needs_old_policy: bool = False
+
+    @property
+    def forward_process(self) -> bool:
+        """Trains on clean samples noised afresh (every step's sigma is usable)."""
+        return self.trains_on == "clean_samples"
+
+    def __call__(self, ctx: LossContext, batch: StepBatch):
+        return self.loss(ctx, batch)
+
+
+OBJECTIVES = Registry("objective")
+
+
+def register_objective(objective: Objective) -> None:
+    OBJECTIVES.register(objective.name, objective)
+
+
+def get_objective(name: str) -> Objective:
+    return OBJECTIVES.get(name)
+
+
+def available_objectives() -> list[str]:
+    return OBJECTIVES.available()
