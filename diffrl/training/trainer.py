@@ -9,6 +9,7 @@ Runs under accelerate (CPU, one GPU, DDP, FSDP via accelerate's config).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -24,7 +25,7 @@ from diffrl.evaluation.scoring import evaluate, spaced_subset
 from diffrl.evaluation.summary import before_after
 from diffrl.models import build_adapter
 from diffrl.perf.runtime import apply_attention_backend, compiled
-from diffrl.sampling import TreeTrajectory, get_strategy
+from diffrl.sampling import get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
@@ -32,6 +33,7 @@ from diffrl.training.data import load_prompts, plan_step
 from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
+from diffrl.training.stages import Credit, Rollout
 from diffrl.training.update import UpdateCounters, Updater
 from diffrl.training.watchdog import check_stalled, no_update_message
 from rewards.combine import MultiReward
@@ -124,7 +126,7 @@ class Trainer:
         self.step = 0
 
     # -- stages ---------------------------------------------------------------------------
-    def rollout_and_score(self, step: int) -> dict:
+    def rollout_and_score(self, step: int) -> Rollout:
         """Rollouts of this process's share of the iteration, scored. Sol-RL returns the
         regenerated BF16 subset; everything downstream sees only that."""
         cfg = self.cfg
@@ -136,9 +138,8 @@ class Trainer:
             out = self.solrl.run(self.adapter, self.adapter.transformer, cond, local.prompts, local.keys, step,
                                  self.acc.autocast, rollout_model=self.rollout_model)
             groups = local.group_ids.reshape(-1, size)[:, :cfg.rollout.group_size].flatten()
-            return {"groups": groups, "cond": out.cond, "traj": out.traj, "total": out.total,
-                    "comps": out.components, "logs": out.logs, "extra": out.metrics,
-                    "nfe": out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]}
+            return Rollout(out.traj, out.cond, groups, out.total, out.components, out.logs, out.metrics,
+                           out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"])
         clock = StageClock(self.acc.device)
         # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
         weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
@@ -146,8 +147,7 @@ class Trainer:
             traj = self.strategy(self.adapter, self.rollout_model, cond, local.keys, cfg, iteration=step)
         with clock.stage("reward"):
             total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
-        return {"groups": local.group_ids, "cond": cond, "traj": traj, "total": total, "comps": comps,
-                "logs": logs, "extra": clock.metrics, "nfe": traj.nfe}
+        return Rollout(traj, cond, local.group_ids, total, comps, logs, clock.metrics, traj.nfe)
 
     def samples_with_old_policy(self) -> bool:
         return self.old_policy is not None and self.cfg.objective.nft_sample_with == "old"
@@ -163,25 +163,31 @@ class Trainer:
         width = max(sizes)
         return torch.cat([padded[i * width:i * width + n] for i, n in enumerate(sizes)])
 
-    def advantages(self, groups, total, comps):
-        """Gather rewards and group ids from every process and normalise over whole groups."""
-        all_total, all_groups = self.gather(total), self.gather(groups)
-        adv = compute_advantages(all_total, all_groups, self.cfg.advantage.estimator, self.cfg.advantage.eps,
-                                 self.cfg.advantage.filter_zero_std, self.gather(comps), self.reward_fn.weights,
-                                 self.cfg.advantage.std)
-        n, rank = len(total), self.acc.process_index
-        sl = slice(rank * n, (rank + 1) * n)
-        return all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction, adv.dropped_groups
+    def credit(self, r: Rollout, step: int) -> Credit:
+        """Advantages over the whole batch: per group for independent samples, per (tree,
+        depth) with pruning for trees."""
+        return self.tree_advantages(r, step) if r.is_tree else self.advantages(r)
 
-    def tree_advantages(self, traj, total, comps, step: int):
+    def advantages(self, r: Rollout) -> Credit:
+        """Gather rewards and group ids from every process and normalise over whole groups."""
+        all_total, all_groups = self.gather(r.total), self.gather(r.groups)
+        a = self.cfg.advantage
+        adv = compute_advantages(all_total, all_groups, a.estimator, a.eps, a.filter_zero_std,
+                                 self.gather(r.components), self.reward_fn.weights, a.std)
+        n, rank = len(r.total), self.acc.process_index
+        sl = slice(rank * n, (rank + 1) * n)
+        return Credit(all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction, adv.dropped_groups)
+
+    def tree_advantages(self, r: Rollout, step: int) -> Credit:
         """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""
-        credit = tree_credit(traj, total, comps, self.cfg, step, self.reward_fn.weights, self.gather,
+        traj = r.traj
+        credit = tree_credit(traj, r.total, r.components, self.cfg, step, self.reward_fn.weights, self.gather,
                              self.acc.process_index)
         counts = self.gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
         # all processes; edges left after pruning, before objective.timestep_fraction subsamples them
         stats = {"tree/edges_after_pruning": int(counts[0]), "tree/edges": int(counts[1])}
-        return (self.gather(total), credit.advantages, credit.keep, credit.filtered_fraction, credit.dropped_groups,
-                credit.train, stats)
+        return Credit(self.gather(r.total), credit.advantages, credit.keep, credit.filtered_fraction,
+                      credit.dropped_groups, credit.train, stats)
 
     def across_processes(self, local: dict) -> dict:
         """Per-process stage metrics over all processes: NFE and sync counts are summed,
@@ -201,46 +207,42 @@ class Trainer:
                 out[k] = float(col.nanmean())
         return out
 
-    def leaf_view(self, r: dict) -> dict:
+    def leaf_view(self, r: Rollout) -> Rollout:
         """A tree's leaves as independent samples grouped by tree: what a forward-process
         objective (NFT) trains on, since it needs only clean samples and their group."""
-        traj = r["traj"]
+        traj = r.traj
         trees = traj.tree[traj.leaf_nodes()].cpu()
-        cond = r["cond"].select([traj.cond_rows[t] for t in trees.tolist()])
+        cond = r.cond.select([traj.cond_rows[t] for t in trees.tolist()])
         groups = trees + self.acc.process_index * traj.num_trees
-        return {**r, "traj": traj.path_trajectory(), "cond": cond, "groups": groups}
+        return dataclasses.replace(r, traj=traj.path_trajectory(), cond=cond, groups=groups)
 
     def train_step(self, step: int) -> dict:
         r = self.rollout_and_score(step)
-        if isinstance(r["traj"], TreeTrajectory) and self.objective.forward_process:
+        if r.is_tree and self.objective.forward_process:
             r = self.leaf_view(r)
-        traj, cond, total, comps = r["traj"], r["cond"], r["total"], r["comps"]
-        train, extra = None, self.across_processes(r["extra"])
-        if isinstance(traj, TreeTrajectory):
-            all_total, adv, keep, filtered, dropped, train, stats = self.tree_advantages(traj, total, comps, step)
-            extra.update(stats)
-        else:
-            all_total, adv, keep, filtered, dropped = self.advantages(r["groups"], total, comps)
-        nfe = int(self.gather(torch.tensor([r["nfe"]])).sum())  # all processes
+        credit = self.credit(r, step)
+        all_total, dropped = credit.all_rewards, credit.dropped_groups
+        extra = {**self.across_processes(r.stage_metrics), **credit.stats}
+        nfe = int(self.gather(torch.tensor([r.nfe])).sum())  # all processes
         finite = all_total[torch.isfinite(all_total)]
         none = torch.tensor(float("nan"))  # logged as null: no finite reward this iteration
         metrics = {"reward/mean": finite.mean() if len(finite) else none,
                    "reward/std": finite.std(unbiased=False) if len(finite) else none,
                    "reward/nonfinite_samples": len(all_total) - len(finite), "advantage/dropped_groups": dropped,
-                   "advantage/filtered_fraction": filtered, "rollout/nfe": nfe,
+                   "advantage/filtered_fraction": credit.filtered_fraction, "rollout/nfe": nfe,
                    "rollout/nfe_per_leaf": nfe / len(all_total), **extra}
-        for name, values in r["logs"].items():
+        for name, values in r.logs.items():
             values = self.gather(values)
             if not bool(torch.isnan(values).all()):  # NaN: the score does not apply to that sample
                 metrics[f"reward/{name}/mean"] = values.nanmean()
         # groups with a non-finite reward were dropped (advantages); train on the rest,
         # unless nothing is left
-        if dropped and not bool(self.gather(keep.float()).sum() > 0):
+        if dropped and not bool(self.gather(credit.keep.float()).sum() > 0):
             self.counters.skipped_nonfinite_reward += 1
         else:
             clock = StageClock(self.acc.device)
             with clock.stage("update"):
-                metrics.update(self.updater.run(traj, cond, adv, keep, step, train))
+                metrics.update(self.updater.run(r.traj, r.cond, credit, step))
             metrics.update(self.across_processes(clock.metrics))
         if self.old_policy is not None:
             # DiffusionNFT's schedule is a function of the optimizer steps completed so far

@@ -77,12 +77,13 @@ class Updater:
         return LossContext(policy_velocity, reference_velocity, self.cfg.objective, self.cfg.sampling.noise_level,
                            old_velocity)
 
-    def run(self, traj, cond, advantages: torch.Tensor, keep: torch.Tensor, step: int,
-            train: torch.Tensor | None = None) -> dict[str, float]:
-        """Update on ``traj``. Independent trajectories index ``advantages``/``keep`` by
-        sample; trees index them by node and pass ``train``, the edges to backpropagate."""
+    def run(self, traj, cond, credit, step: int) -> dict[str, float]:
+        """Update on ``traj`` with ``credit`` (a :class:`~diffrl.training.stages.Credit`).
+        Independent trajectories index its advantages and ``keep`` by sample; trees index
+        them by node, and ``credit.edges`` says which edges to backpropagate."""
         cfg = self.cfg
         ctx = self.loss_context()
+        advantages, keep, train = credit.advantages, credit.keep, credit.edges
         if train is None:
             # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
             trainable = list(range(traj.num_steps)) if self.forward_process else traj.trainable_steps()

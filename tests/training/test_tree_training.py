@@ -41,7 +41,7 @@ def test_two_tree_steps_change_parameters_with_finite_loss(name, tmp_path):
 
 def _rollout(trainer, step=0):
     r = trainer.rollout_and_score(step)
-    return r["cond"], r["traj"], r["total"], r["comps"]
+    return r.cond, r.traj, r.total, r.components
 
 
 def test_pruning_leaves_the_rollout_and_the_advantages_unchanged(tmp_path):
@@ -77,7 +77,10 @@ def _grads_of_one_update(trainer, cond, traj, credit):
     params = list(trainer.policy.trainable_parameters())
     trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in params])
     trainer.scheduler.step = lambda *a, **k: None
-    trainer.updater.run(traj, cond, credit.advantages, credit.keep, 0, credit.train)
+    from diffrl.training.stages import Credit
+
+    typed = Credit(credit.node_rewards, credit.advantages, credit.keep, credit.filtered_fraction, 0, credit.train)
+    trainer.updater.run(traj, cond, typed, 0)
     assert len(grads) == 1
     return torch.cat([g.flatten() for g in grads[0]])
 
