@@ -22,27 +22,54 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rewards.imagereward import ImageRewardCheckpointError, ImageRewardFilesMissing
     from rewards.images import RewardInputError
 
-    return (ConfigError, PromptFileError, ModelLoadError, UnknownRewardError, CheckpointError, RewardInputError,
-            RewardPromptError, MissingRewardWeightsError, ImageRewardFilesMissing, ImageRewardCheckpointError,
-            CompareError, TrainingStalledError, RewardArgsError)
+    return (
+        ConfigError,
+        PromptFileError,
+        ModelLoadError,
+        UnknownRewardError,
+        CheckpointError,
+        RewardInputError,
+        RewardPromptError,
+        MissingRewardWeightsError,
+        ImageRewardFilesMissing,
+        ImageRewardCheckpointError,
+        CompareError,
+        TrainingStalledError,
+        RewardArgsError,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a flow-matching model with online RL (flow-GRPO).")
     p.add_argument("--config", help="config path, or a bare name found in configs/ (e.g. tiny_flux_flowgrpo)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.max_steps=2 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.max_steps=2 (repeatable)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the derived run plan and exit")
     p.add_argument("--resume", metavar="latest|PATH", help="continue from the newest checkpoint or a path")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start fresh in an output_dir that holds an earlier run, deleting that run's files")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start fresh in an output_dir that holds an earlier run, deleting that run's files",
+    )
     p.add_argument("--help-config", action="store_true", help="list every config key with its help text")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--tiny-twin", action="store_true",
-                   help="run the config's algorithm on its family's offline tiny twin (a smoke test; see diffrl.twin)")
-    size.add_argument("--full-size", action="store_true",
-                   help="run the config at full size on random weights of its published architecture, with "
-                        "weight-free reward stand-ins (speed and memory; needs the GPU the config names)")
+    size.add_argument(
+        "--tiny-twin",
+        action="store_true",
+        help="run the config's algorithm on its family's offline tiny twin (a smoke test; see diffrl.twin)",
+    )
+    size.add_argument(
+        "--full-size",
+        action="store_true",
+        help="run the config at full size on random weights of its published architecture, with "
+        "weight-free reward stand-ins (speed and memory; needs the GPU the config names)",
+    )
     args = p.parse_args(argv)
     if not args.help_config and not args.config:
         p.error("--config is required")
@@ -101,8 +128,10 @@ def _interrupted_message(cfg) -> str:
     if latest is None:
         return f"interrupted: no checkpoint was saved in {cfg.run_dir}; start again with --overwrite"
     step, path = latest
-    return (f"interrupted: the last checkpoint is {path} (after iteration {step}); continue with "
-            f"--resume latest and the same --config and --set")
+    return (
+        f"interrupted: the last checkpoint is {path} (after iteration {step}); continue with "
+        f"--resume latest and the same --config and --set"
+    )
 
 
 def _check_inputs(cfg) -> None:

@@ -50,8 +50,9 @@ class LoraConfig:
 class ModelConfig:
     family: str = _f("flux", "Adapter family: one of diffrl.models.available() (flux, sd3, sana, wan, toy).")
     pretrained: str = _f(
-        "tiny", "Hub id or local diffusers directory, 'tiny' for the offline tiny twin, or (family toy) "
-        "'shapeworld' for the shipped pretrained ShapeWorld model."
+        "tiny",
+        "Hub id or local diffusers directory, 'tiny' for the offline tiny twin, or (family toy) "
+        "'shapeworld' for the shipped pretrained ShapeWorld model.",
     )
     revision: str | None = _f(None, "Hub revision (branch, tag or commit) when `pretrained` is a hub id.")
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
@@ -62,7 +63,9 @@ class ModelConfig:
     num_frames: int = _f(1, "Frames per sample (video families only).")
     guidance_scale: float = _f(1.0, "CFG scale (sd3/sana/wan) or guidance embedding value (flux).")
     max_sequence_length: int = _f(128, "Max text tokens for the long text encoder (T5/Gemma/UMT5).")
-    full_finetune: bool = _f(False, "Train all transformer weights instead of LoRA; keeps a frozen reference copy.")
+    full_finetune: bool = _f(
+        False, "Train all transformer weights instead of LoRA; keeps a frozen reference copy."
+    )
     lora: LoraConfig = _f(LoraConfig(), "LoRA settings (ignored when full_finetune).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     tiny_seed: int = _f(0, "Seed for the random weights of the tiny twin.")
@@ -72,7 +75,8 @@ class ModelConfig:
 class SamplingConfig:
     num_steps: int = _f(10, "Denoising steps per rollout.")
     sde_type: Literal["sde", "cps", "dance", "ode"] = _f(
-        "sde", "Step rule: flow-GRPO 'sde', coefficient-preserving 'cps', DanceGRPO 'dance' (constant eta), 'ode'."
+        "sde",
+        "Step rule: flow-GRPO 'sde', coefficient-preserving 'cps', DanceGRPO 'dance' (constant eta), 'ode'.",
     )
     noise_level: float = _f(0.7, "Noise scale: a for sde/cps, eta for dance.")
     eval_num_steps: int | None = _f(None, "Steps for evaluation (ODE); null uses num_steps.")
@@ -101,66 +105,100 @@ class TreeConfig:
         1.0, "Noise scale at split steps; tree.split_noise says what it multiplies."
     )
     split_noise: Literal["level", "draw"] = _f(
-        "level", "'level': multiply the step rule's noise level (drift and log-prob use the scaled std, a proper "
-                 "SDE step); 'draw': multiply only the drawn noise, as BranchGRPO's reference code does."
+        "level",
+        "'level': multiply the step rule's noise level (drift and log-prob use the scaled std, a proper "
+        "SDE step); 'draw': multiply only the drawn noise, as BranchGRPO's reference code does.",
     )
     reward_fusion: Literal["mean", "prob_weighted"] = _f(
         "mean", "Internal node reward: mean of its leaves, or softmax(child log-prob / T)-weighted mean."
     )
     fusion_temperature: float = _f(1.0, "Temperature T of the prob_weighted fusion softmax.")
     width_pruning: Literal["none", "best_worst", "best_per_branch", "chain_prefix", "batch_best_worst"] = _f(
-        "none", "After the last split, train only the best+worst leaves per tree, or the best of each sibling set; "
-                "chain_prefix / batch_best_worst are the BranchGRPO reference's modes 1 / 2 (docs/ALGORITHMS.md)."
+        "none",
+        "After the last split, train only the best+worst leaves per tree, or the best of each sibling set; "
+        "chain_prefix / batch_best_worst are the BranchGRPO reference's modes 1 / 2 (docs/ALGORITHMS.md).",
     )
 
-    width_keep_fraction: float = _f(0.5, "Fraction of leaves (per tree, or per sibling set) whose edges are trained; "
-                                         "for chain_prefix of each chain's post-split edges, for batch_best_worst of "
-                                         "the batch's post-split edges.")
-    depth_pruning: list[int] = _f([], "Denoising steps whose edges are not backpropagated (the rollout is unchanged).")
-    loss_weighting: Literal["edge", "depth"] = _f(
-        "edge", "Every trained edge weighs the same (BranchGRPO), or every denoising step does (as independent rollouts)."
+    width_keep_fraction: float = _f(
+        0.5,
+        "Fraction of leaves (per tree, or per sibling set) whose edges are trained; "
+        "for chain_prefix of each chain's post-split edges, for batch_best_worst of "
+        "the batch's post-split edges.",
     )
-    depth_pruning_slide_every: int = _f(0, "Move the pruned steps one step earlier every N iterations; 0 keeps them.")
+    depth_pruning: list[int] = _f(
+        [], "Denoising steps whose edges are not backpropagated (the rollout is unchanged)."
+    )
+    loss_weighting: Literal["edge", "depth"] = _f(
+        "edge",
+        "Every trained edge weighs the same (BranchGRPO), or every denoising step does (as "
+        "independent rollouts).",
+    )
+    depth_pruning_slide_every: int = _f(
+        0, "Move the pruned steps one step earlier every N iterations; 0 keeps them."
+    )
     depth_pruning_stop: int = _f(0, "The earliest step the sliding depth-pruning window may reach.")
 
 
 @dataclass
 class PerfConfig:
     compile_rollout: bool = _f(
-        False, "torch.compile the transformer the rollouts call (policy and reference-backend exploration copy; "
-               "the torchao copy is always compiled). Off by default: see docs/BENCHMARKS.md for where it pays.")
+        False,
+        "torch.compile the transformer the rollouts call (policy and reference-backend exploration copy; "
+        "the torchao copy is always compiled). Off by default: see docs/BENCHMARKS.md for where it pays.",
+    )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = _f(
-        "default", "torch.compile mode; reduce-overhead adds CUDA graphs (static shapes only, CUDA only).")
+        "default", "torch.compile mode; reduce-overhead adds CUDA graphs (static shapes only, CUDA only)."
+    )
     attention_backend: str | None = _f(
-        None, "diffusers attention backend for the run (flash, _flash_3, _native_flash, _native_cudnn, xformers, "
-              "sage); null keeps diffusers' default, PyTorch SDPA. Kernel-download (*_hub) backends are refused.")
+        None,
+        "diffusers attention backend for the run (flash, _flash_3, _native_flash, _native_cudnn, xformers, "
+        "sage); null keeps diffusers' default, PyTorch SDPA. Kernel-download (*_hub) backends are refused.",
+    )
 
 
 @dataclass
 class SolRLConfig:
-    enabled: bool = _f(False, "Sol-RL two-stage rollouts: explore a pool in low precision, select a contrastive subset, "
-                              "regenerate it in BF16 from the same noise and train only on the regenerated samples.")
-    pool_size: int = _f(16, "Candidates explored per prompt (a tree pool's leaf count); rollout.group_size of them are "
-                            "regenerated and trained.")
+    enabled: bool = _f(
+        False,
+        "Sol-RL two-stage rollouts: explore a pool in low precision, select a contrastive subset, "
+        "regenerate it in BF16 from the same noise and train only on the regenerated samples.",
+    )
+    pool_size: int = _f(
+        16,
+        "Candidates explored per prompt (a tree pool's leaf count); rollout.group_size of them are "
+        "regenerated and trained.",
+    )
     precision: Literal["nvfp4", "fp8", "bf16"] = _f(
-        "nvfp4", "Exploration precision; bf16 explores with the policy itself (the control).")
+        "nvfp4", "Exploration precision; bf16 explores with the policy itself (the control)."
+    )
     backend: Literal["auto", "reference", "modelopt", "torchao"] = _f(
-        "auto", "Quantization backend; auto picks what the hardware really runs and logs it.")
-    keep_high: list[str] | None = _f(None, "Anchored regexes of layers kept in high precision; null uses the family list.")
+        "auto", "Quantization backend; auto picks what the hardware really runs and logs it."
+    )
+    keep_high: list[str] | None = _f(
+        None, "Anchored regexes of layers kept in high precision; null uses the family list."
+    )
     select: Literal["best_worst", "max_variance", "random"] = _f(
-        "best_worst", "Subset rule per prompt: top and bottom by reward, the subset of largest reward variance, or "
-                      "uniformly random (the ablation control).")
+        "best_worst",
+        "Subset rule per prompt: top and bottom by reward, the subset of largest reward variance, or "
+        "uniformly random (the ablation control).",
+    )
     explore: Literal["replay", "ode"] = _f(
-        "replay", "replay: the pool uses the training sampler (independent or tree) and stage 2 replays its initial, "
-                  "per-step and branch noise; ode: Sol-RL's recipe, a deterministic ODE pool with explore_num_steps "
-                  "steps whose initial noise alone is replayed.")
-    explore_num_steps: int | None = _f(None, "Denoising steps of an ode pool (Sol-RL: 6, against 10 for training); "
-                                             "null uses sampling.num_steps.")
+        "replay",
+        "replay: the pool uses the training sampler (independent or tree) and stage 2 replays its initial, "
+        "per-step and branch noise; ode: Sol-RL's recipe, a deterministic ODE pool with explore_num_steps "
+        "steps whose initial noise alone is replayed.",
+    )
+    explore_num_steps: int | None = _f(
+        None,
+        "Denoising steps of an ode pool (Sol-RL: 6, against 10 for training); null uses sampling.num_steps.",
+    )
 
 
 @dataclass
 class DataConfig:
-    train_prompts: str = _f("assets/prompts/tiny_train.txt", "Training prompt file (.txt one per line, or .jsonl with 'prompt').")
+    train_prompts: str = _f(
+        "assets/prompts/tiny_train.txt", "Training prompt file (.txt one per line, or .jsonl with 'prompt')."
+    )
     eval_prompts: str = _f("assets/prompts/tiny_eval.txt", "Held-out prompt file for evaluation.")
 
 
@@ -178,8 +216,10 @@ class AdvantageConfig:
     )
     eps: float = _f(1e-4, "Added to the std before dividing (DanceGRPO / BranchGRPO: 1e-8).")
     std: Literal["population", "sample"] = _f(
-        "population", "Std convention: 'population' (ddof 0, flow_grpo) or 'sample' (ddof 1, torch.std, as "
-                      "DanceGRPO and BranchGRPO; with eps 1e-8 it is their normalisation).")
+        "population",
+        "Std convention: 'population' (ddof 0, flow_grpo) or 'sample' (ddof 1, torch.std, as "
+        "DanceGRPO and BranchGRPO; with eps 1e-8 it is their normalisation).",
+    )
     filter_zero_std: bool = _f(True, "Drop groups whose rewards are all equal; they carry no signal.")
 
 
@@ -191,24 +231,39 @@ class ObjectiveConfig:
     timestep_fraction: float = _f(1.0, "Fraction of trainable denoising steps used per sample.")
     kl_coef: float = _f(0.0, "Weight of the KL to the reference policy.")
     kl_type: Literal["exact", "flow_grpo"] = _f(
-        "exact", "'exact' Gaussian KL ||mu-mu_ref||^2/(2 std^2), std^2 = std_t^2 (-dt); 'flow_grpo' divides by 2 std_t^2 instead."
+        "exact",
+        "'exact' Gaussian KL ||mu-mu_ref||^2/(2 std^2), std^2 = std_t^2 (-dt); 'flow_grpo' "
+        "divides by 2 std_t^2 instead.",
     )
     logprob_reduction: Literal["mean", "sum", "flow_grpo"] = _f(
-        "mean", "Reduce the per-element Gaussian log-density over latent dims by mean (flow_grpo) or sum; "
-                "'flow_grpo': flow_grpo's own log-probs (mean, except cps: -mean((x'-mu)^2) without 1/(2 std^2))."
+        "mean",
+        "Reduce the per-element Gaussian log-density over latent dims by mean (flow_grpo) or sum; "
+        "'flow_grpo': flow_grpo's own log-probs (mean, except cps: -mean((x'-mu)^2) without 1/(2 std^2)).",
     )
     train_cfg: bool = _f(True, "Apply CFG when recomputing velocities for the loss (as in the rollout).")
-    anchor_coef: float = _f(0.0, "Velocity anchor on the steps the objective does not train (outside the SDE window): "
-                                 "anchor_coef * mean ||v_theta - v_ref||^2 on the rollout's own states there. "
-                                 "Keeps the untrained low-noise steps from drifting (docs/ALGORITHMS.md).")
-    anchor_fraction: float = _f(0.25, "Share of the untrained steps anchored per micro-batch (keyed random subset).")
+    anchor_coef: float = _f(
+        0.0,
+        "Velocity anchor on the steps the objective does not train (outside the SDE window): "
+        "anchor_coef * mean ||v_theta - v_ref||^2 on the rollout's own states there. "
+        "Keeps the untrained low-noise steps from drifting (docs/ALGORITHMS.md).",
+    )
+    anchor_fraction: float = _f(
+        0.25, "Share of the untrained steps anchored per micro-batch (keyed random subset)."
+    )
     nft_beta: float = _f(1.0, "DiffusionNFT: step size beta of the implicit positive/negative policies.")
-    nft_old_decay_flat: int = _f(0, "DiffusionNFT old policy: optimizer steps with decay 0 (old = current) before the ramp.")
-    nft_old_decay_rate: float = _f(0.001, "DiffusionNFT old policy: decay grows by this per optimizer step after the flat part.")
+    nft_old_decay_flat: int = _f(
+        0, "DiffusionNFT old policy: optimizer steps with decay 0 (old = current) before the ramp."
+    )
+    nft_old_decay_rate: float = _f(
+        0.001, "DiffusionNFT old policy: decay grows by this per optimizer step after the flat part."
+    )
     nft_old_decay_max: float = _f(0.5, "DiffusionNFT old policy: the decay stops growing here.")
     nft_sample_with: Literal["current", "old"] = _f(
-        "current", "DiffusionNFT: roll out with the trained weights ('current') or with the old policy's "
-                   "('old', as the reference does; not with Sol-RL, whose exploration copy follows the trained weights).")
+        "current",
+        "DiffusionNFT: roll out with the trained weights ('current') or with the old policy's "
+        "('old', as the reference does; not with Sol-RL, whose exploration copy follows the "
+        "trained weights).",
+    )
 
 
 @dataclass
@@ -231,8 +286,10 @@ class TrainConfig:
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "Autocast precision for forward passes.")
     ema_decay: float = _f(0.0, "EMA decay of trainable weights used for evaluation; 0 disables.")
     max_skipped_iterations: int = _f(
-        5, "Stop (non-zero exit) after this many iterations in a row that applied no update because of "
-           "non-finite rewards or losses; 0 never stops.")
+        5,
+        "Stop (non-zero exit) after this many iterations in a row that applied no update because of "
+        "non-finite rewards or losses; 0 never stops.",
+    )
 
 
 @dataclass
@@ -240,7 +297,10 @@ class EvalConfig:
     every: int = _f(0, "Evaluate every N iterations (and at the end); 0 disables.")
     num_prompts: int = _f(4, "Held-out prompts used per evaluation.")
     train_num_prompts: int = _f(
-        0, "Training prompts also evaluated (a fixed, evenly spaced subset; logged as eval_train/...); 0 skips them.")
+        0,
+        "Training prompts also evaluated (a fixed, evenly spaced subset; logged as "
+        "eval_train/...); 0 skips them.",
+    )
     seeds: list[int] = _f([0], "Fixed seeds; each prompt is sampled once per seed.")
     at_start: bool = _f(False, "Also evaluate before the first update.")
 
@@ -312,7 +372,9 @@ def _coerce(value, tp, where: str):
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {type(value).__name__}")
+            raise ConfigError(
+                f"{where}: expected a mapping of {tp.__name__} fields, got {type(value).__name__}"
+            )
         return _build(tp, value, where)
     if origin is list:
         if not isinstance(value, list):
@@ -332,7 +394,9 @@ def _coerce(value, tp, where: str):
             return float(value)
         except ValueError:
             pass
-    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+    if tp in (int, float, str, bool) and not (
+        isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+    ):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value
 
@@ -359,7 +423,9 @@ def resolve_config_path(name_or_path: str) -> Path:
         if candidate.is_file():
             return candidate
     shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-    raise ConfigError(f"config '{name_or_path}' not found as a path or in {CONFIG_DIR}. Shipped configs: {shipped}")
+    raise ConfigError(
+        f"config '{name_or_path}' not found as a path or in {CONFIG_DIR}. Shipped configs: {shipped}"
+    )
 
 
 def apply_override(raw: dict, assignment: str) -> None:
@@ -380,9 +446,10 @@ def apply_override(raw: dict, assignment: str) -> None:
         node[parts[-1]] = yaml.safe_load(value)
     except yaml.YAMLError as err:
         problem = " ".join(str(getattr(err, "problem", "") or err).split())
-        raise ConfigError(f"--set {key}: the value {value!r} is not valid YAML ({problem}); a list or mapping "
-                          "needs quotes around the whole assignment, e.g. --set 'rewards=[{name: jpeg_compressibility}]'"
-                          ) from None
+        raise ConfigError(
+            f"--set {key}: the value {value!r} is not valid YAML ({problem}); a list or mapping "
+            "needs quotes around the whole assignment, e.g. --set 'rewards=[{name: jpeg_compressibility}]'"
+        ) from None
 
 
 def _check_override_key(key: str) -> None:
@@ -396,8 +463,10 @@ def _check_override_key(key: str) -> None:
         if part not in names:
             close = difflib.get_close_matches(part, names, n=1)
             hint = f" Did you mean '{'.'.join(done + [close[0]])}'?" if close else ""
-            raise ConfigError(f"--set {key}: unknown key '{'.'.join(done + [part])}'.{hint} "
-                              f"Valid keys here: {', '.join(names)} (--help-config lists them all)")
+            raise ConfigError(
+                f"--set {key}: unknown key '{'.'.join(done + [part])}'.{hint} "
+                f"Valid keys here: {', '.join(names)} (--help-config lists them all)"
+            )
         cls = typing.get_type_hints(cls)[part]
         done.append(part)
 
@@ -431,11 +500,11 @@ def load_config(name_or_path: str, overrides: list[str] | tuple = ()) -> Config:
 def _blame_override(message: str, source: str, overrides) -> str:
     """'configs/x.yaml: train.max_steps: ...' becomes '--set train.max_steps=...: ...' when
     that key came from the command line, so the user edits the right thing."""
-    body = message[len(source) + 2:] if message.startswith(source + ": ") else message
+    body = message[len(source) + 2 :] if message.startswith(source + ": ") else message
     for assignment in overrides:
         key = assignment.split("=", 1)[0].strip()
         if body.startswith((f"{key}:", f"{key}[", f"{key}.")):
-            return f"--set {assignment}: {body[len(key):].lstrip(': ')}"
+            return f"--set {assignment}: {body[len(key) :].lstrip(': ')}"
     return message
 
 

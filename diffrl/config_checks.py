@@ -23,7 +23,10 @@ def check(cfg) -> None:
         (cfg.train.max_steps >= 0, "train.max_steps must be >= 0"),
         (0 <= cfg.train.ema_decay < 1, "train.ema_decay must be in [0, 1)"),
         (len(cfg.rewards) >= 1, "rewards: at least one reward is required"),
-        (cfg.model.height % 16 == 0 and cfg.model.width % 16 == 0, "model.height and model.width must be multiples of 16"),
+        (
+            cfg.model.height % 16 == 0 and cfg.model.width % 16 == 0,
+            "model.height and model.width must be multiples of 16",
+        ),
         (len(cfg.optim.betas) == 2, "optim.betas must have two values"),
     ]
     for ok, message in checks:
@@ -31,25 +34,40 @@ def check(cfg) -> None:
             raise ConfigError(message)
     window = cfg.sampling.sde_window
     if window is not None and not (len(window) == 2 and 0 <= window[0] < window[1] <= cfg.sampling.num_steps):
-        raise ConfigError(f"sampling.sde_window must be [start, end) within [0, {cfg.sampling.num_steps}], got {window}")
+        raise ConfigError(
+            f"sampling.sde_window must be [start, end) within [0, {cfg.sampling.num_steps}], got {window}"
+        )
     if cfg.sampling.sde_window_slide_every < 0 or cfg.sampling.sde_window_slide_stride < 1:
-        raise ConfigError("sampling.sde_window_slide_every must be >= 0 and sampling.sde_window_slide_stride >= 1")
+        raise ConfigError(
+            "sampling.sde_window_slide_every must be >= 0 and sampling.sde_window_slide_stride >= 1"
+        )
     if cfg.rollout.strategy == "tree":
         _check_tree(cfg)
     if cfg.solrl.enabled:
         _check_solrl(cfg)
     obj = cfg.objective
-    if obj.nft_beta <= 0 or obj.nft_old_decay_flat < 0 or obj.nft_old_decay_rate < 0 or not 0 <= obj.nft_old_decay_max < 1:
-        raise ConfigError("objective.nft_beta must be > 0, nft_old_decay_flat and nft_old_decay_rate >= 0, "
-                          "nft_old_decay_max in [0, 1)")
+    if (
+        obj.nft_beta <= 0
+        or obj.nft_old_decay_flat < 0
+        or obj.nft_old_decay_rate < 0
+        or not 0 <= obj.nft_old_decay_max < 1
+    ):
+        raise ConfigError(
+            "objective.nft_beta must be > 0, nft_old_decay_flat and nft_old_decay_rate >= 0, "
+            "nft_old_decay_max in [0, 1)"
+        )
     if obj.nft_sample_with == "old" and (obj.name != "nft" or cfg.solrl.enabled):
-        raise ConfigError("objective.nft_sample_with old needs objective.name nft and no solrl (Sol-RL explores "
-                          "with its own copy of the trained weights)")
+        raise ConfigError(
+            "objective.nft_sample_with old needs objective.name nft and no solrl (Sol-RL explores "
+            "with its own copy of the trained weights)"
+        )
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
-        raise ConfigError("objective.anchor_coef works with independent rollouts only (rollout.strategy: "
-                          "independent); trees train the steps their edges cover: set objective.anchor_coef to 0")
+        raise ConfigError(
+            "objective.anchor_coef works with independent rollouts only (rollout.strategy: "
+            "independent); trees train the steps their edges cover: set objective.anchor_coef to 0"
+        )
 
 
 def _check_tree(cfg) -> None:
@@ -60,44 +78,69 @@ def _check_tree(cfg) -> None:
         raise ConfigError(f"tree.split_steps must be increasing step indices in [0, {steps}), got {splits}")
     factors = tree.branch_factors
     if len(factors) not in (1, len(splits)) or any(f < 1 for f in factors):
-        raise ConfigError(f"tree.branch_factors needs one value >= 1 or one per split step ({len(splits)}), got {factors}")
+        raise ConfigError(
+            f"tree.branch_factors needs one value >= 1 or one per split step ({len(splits)}), got {factors}"
+        )
     leaves = math.prod(factors * len(splits) if len(factors) == 1 else factors)
-    want, key = (cfg.solrl.pool_size, "solrl.pool_size") if cfg.solrl.enabled else (cfg.rollout.group_size,
-                                                                                    "rollout.group_size")
+    want, key = (
+        (cfg.solrl.pool_size, "solrl.pool_size")
+        if cfg.solrl.enabled
+        else (cfg.rollout.group_size, "rollout.group_size")
+    )
     if leaves != want:
-        raise ConfigError(f"the tree has {leaves} leaves per prompt but {key} is {want}; "
-                          f"set {key} to the product of tree.branch_factors")
+        raise ConfigError(
+            f"the tree has {leaves} leaves per prompt but {key} is {want}; "
+            f"set {key} to the product of tree.branch_factors"
+        )
     if cfg.sampling.sde_type == "ode":
         raise ConfigError("tree splits need a stochastic step: set sampling.sde_type to sde, cps or dance")
     if tree.split_noise_scale <= 0 or tree.fusion_temperature <= 0 or not 0 < tree.width_keep_fraction <= 1:
-        raise ConfigError("tree.split_noise_scale and tree.fusion_temperature must be > 0, "
-                          "tree.width_keep_fraction in (0, 1]")
+        raise ConfigError(
+            "tree.split_noise_scale and tree.fusion_temperature must be > 0, "
+            "tree.width_keep_fraction in (0, 1]"
+        )
     if not all(0 <= d < steps for d in tree.depth_pruning):
-        raise ConfigError(f"tree.depth_pruning must list step indices in [0, {steps}), got {tree.depth_pruning}")
+        raise ConfigError(
+            f"tree.depth_pruning must list step indices in [0, {steps}), got {tree.depth_pruning}"
+        )
     if tree.depth_pruning_slide_every < 0 or not 0 <= tree.depth_pruning_stop < steps:
-        raise ConfigError(f"tree.depth_pruning_slide_every must be >= 0 and tree.depth_pruning_stop in [0, {steps})")
+        raise ConfigError(
+            f"tree.depth_pruning_slide_every must be >= 0 and tree.depth_pruning_stop in [0, {steps})"
+        )
     level_scale = tree.split_noise_scale if tree.split_noise == "level" else 1.0
     if cfg.sampling.sde_type == "cps" and (cfg.sampling.noise_level * level_scale > 1 or steps - 1 in splits):
         # cps: std = sigma_next sin(a pi / 2) grows with a only up to a = 1, and is 0 at the last step
-        raise ConfigError("with sampling.sde_type cps and tree.split_noise level, sampling.noise_level * "
-                          "tree.split_noise_scale must be <= 1 "
-                          f"and no split may be at the last step ({steps - 1})")
+        raise ConfigError(
+            "with sampling.sde_type cps and tree.split_noise level, sampling.noise_level * "
+            "tree.split_noise_scale must be <= 1 "
+            f"and no split may be at the last step ({steps - 1})"
+        )
     if tree.reward_fusion == "prob_weighted" and cfg.objective.logprob_reduction == "sum":
-        raise ConfigError("tree.reward_fusion prob_weighted needs objective.logprob_reduction mean: with sum, the "
-                          "softmax over sibling log-probs puts all weight on the child with the smallest noise draw")
+        raise ConfigError(
+            "tree.reward_fusion prob_weighted needs objective.logprob_reduction mean: with sum, the "
+            "softmax over sibling log-probs puts all weight on the child with the smallest noise draw"
+        )
 
 
 def _check_solrl(cfg) -> None:
     sol = cfg.solrl
     if not 2 <= cfg.rollout.group_size <= sol.pool_size:
-        raise ConfigError(f"solrl: rollout.group_size ({cfg.rollout.group_size}) samples per prompt are selected from "
-                          f"solrl.pool_size ({sol.pool_size}) candidates; need 2 <= group_size <= pool_size")
+        raise ConfigError(
+            f"solrl: rollout.group_size ({cfg.rollout.group_size}) samples per prompt are selected from "
+            f"solrl.pool_size ({sol.pool_size}) candidates; need 2 <= group_size <= pool_size"
+        )
     if sol.explore == "ode" and cfg.rollout.strategy != "independent":
-        raise ConfigError("solrl.explore ode replays only the initial noise, which a tree pool does not fix; use "
-                          "rollout.strategy independent, or solrl.explore replay")
+        raise ConfigError(
+            "solrl.explore ode replays only the initial noise, which a tree pool does not fix; use "
+            "rollout.strategy independent, or solrl.explore replay"
+        )
     if sol.explore_num_steps is not None and (sol.explore != "ode" or sol.explore_num_steps < 1):
-        raise ConfigError("solrl.explore_num_steps needs solrl.explore ode and a value >= 1 (replay pools use the "
-                          "training schedule so that their noise can be replayed)")
+        raise ConfigError(
+            "solrl.explore_num_steps needs solrl.explore ode and a value >= 1 (replay pools use the "
+            "training schedule so that their noise can be replayed)"
+        )
     if cfg.rollout.strategy == "tree" and cfg.tree.width_pruning != "none":
-        raise ConfigError("solrl with a tree pool: the selection already keeps best and worst leaves; set "
-                          "tree.width_pruning none")
+        raise ConfigError(
+            "solrl with a tree pool: the selection already keeps best and worst leaves; set "
+            "tree.width_pruning none"
+        )

@@ -47,12 +47,26 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
     """``--set`` assignments that turn ``cfg`` into its tiny-twin smoke run."""
     video = cfg.model.family == "wan"
     return [
-        "model.pretrained=tiny", "model.height=32", "model.width=32", f"model.num_frames={5 if video else 1}",
-        "model.max_sequence_length=16", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8.0",
-        "model.lora.target_modules=null", "train.mixed_precision='no'", f"rollout.prompts_per_step={processes}",
-        "rollout.batch_size=16", "train.micro_batch_size=4", "train.gradient_accumulation=1", "train.max_steps=1",
-        "data.train_prompts=assets/prompts/tiny_train.txt", "data.eval_prompts=assets/prompts/tiny_eval.txt",
-        *QUIET_RUN, f"run_name={cfg.run_name}_tiny_twin", f"rewards={json.dumps(_rewards(cfg))}",
+        "model.pretrained=tiny",
+        "model.height=32",
+        "model.width=32",
+        f"model.num_frames={5 if video else 1}",
+        "model.max_sequence_length=16",
+        "model.dtype=float32",
+        "model.lora.rank=4",
+        "model.lora.alpha=8.0",
+        "model.lora.target_modules=null",
+        "train.mixed_precision='no'",
+        f"rollout.prompts_per_step={processes}",
+        "rollout.batch_size=16",
+        "train.micro_batch_size=4",
+        "train.gradient_accumulation=1",
+        "train.max_steps=1",
+        "data.train_prompts=assets/prompts/tiny_train.txt",
+        "data.eval_prompts=assets/prompts/tiny_eval.txt",
+        *QUIET_RUN,
+        f"run_name={cfg.run_name}_tiny_twin",
+        f"rewards={json.dumps(_rewards(cfg))}",
     ]
 
 
@@ -64,9 +78,14 @@ def full_size_overrides(cfg, steps: int = 2) -> list[str]:
 
     arch = arch_for(cfg.model.pretrained)
     if arch is None:
-        raise ConfigError(f"no shipped architecture matches model.pretrained '{cfg.model.pretrained}'; "
-                         "pass --set model.pretrained=random:<arch> with one of assets/arch/*.json")
+        raise ConfigError(
+            f"no shipped architecture matches model.pretrained '{cfg.model.pretrained}'; "
+            "pass --set model.pretrained=random:<arch> with one of assets/arch/*.json"
+        )
     return [
-        f"model.pretrained={RANDOM_PREFIX}{arch.name}", f"train.max_steps={steps}", *QUIET_RUN,
-        f"run_name={cfg.run_name}_full_size", f"rewards={json.dumps(_rewards(cfg))}",
+        f"model.pretrained={RANDOM_PREFIX}{arch.name}",
+        f"train.max_steps={steps}",
+        *QUIET_RUN,
+        f"run_name={cfg.run_name}_full_size",
+        f"rewards={json.dumps(_rewards(cfg))}",
     ]

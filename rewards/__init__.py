@@ -89,9 +89,19 @@ def _check_arg_names(name: str, factory, kwargs: dict) -> None:
     if unknown:
         close = difflib.get_close_matches(unknown[0], valid, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise RewardArgsError(f"reward '{name}' has no argument '{unknown[0]}'.{hint} "
-                              f"Its arguments: {', '.join(valid) or 'none'}")
+        raise RewardArgsError(
+            f"reward '{name}' has no argument '{unknown[0]}'.{hint} "
+            f"Its arguments: {', '.join(valid) or 'none'}"
+        )
 
 
-__all__ = ["REWARDS", "RewardArgsError", "UnknownRewardError", "available", "build", "check", "register",
-           "unregister"]
+__all__ = [
+    "REWARDS",
+    "RewardArgsError",
+    "UnknownRewardError",
+    "available",
+    "build",
+    "check",
+    "register",
+    "unregister",
+]

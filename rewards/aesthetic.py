@@ -30,8 +30,10 @@ from rewards.clip_common import (
     url_file,
 )
 
-HEAD_URL = ("https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
-            "sac+logos+ava1-l14-linearMSE.pth")
+HEAD_URL = (
+    "https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
+    "sac+logos+ava1-l14-linearMSE.pth"
+)
 
 
 class AestheticMLP(nn.Module):
@@ -40,9 +42,12 @@ class AestheticMLP(nn.Module):
     def __init__(self, input_size: int = 768):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(input_size, 1024), nn.Dropout(0.2),
-            nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1),
+            nn.Linear(input_size, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
             nn.Linear(64, 16),
             nn.Linear(16, 1),
         )
@@ -56,7 +61,7 @@ def resolve_head(reward: str, head: str) -> str:
     if head.startswith(("http://", "https://")):
         return url_file(reward, head)
     if head.startswith("hf://"):
-        repo_id, _, filename = head[len("hf://"):].rpartition("/")
+        repo_id, _, filename = head[len("hf://") :].rpartition("/")
         return hub_file(reward, repo_id, filename, arg="head")
     return local_file(reward, head, f"Fetch it with `wget '{HEAD_URL}' -O '{head}'`.")
 
@@ -83,13 +88,20 @@ class LaionAesthetic(ClipReward):
     name = "aesthetic"
     needs_prompts = False
 
-    def __init__(self, pretrained: str = "openai/clip-vit-large-patch14", head: str = HEAD_URL,
-                 device=None, dtype="float32", batch_size: int = 16):
+    def __init__(
+        self,
+        pretrained: str = "openai/clip-vit-large-patch14",
+        head: str = HEAD_URL,
+        device=None,
+        dtype="float32",
+        batch_size: int = 16,
+    ):
         from transformers import CLIPVisionModelWithProjection
 
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        self.clip = hf_pretrained(self.name, CLIPVisionModelWithProjection, pretrained,
-                                  output_loading_info=True)
+        self.clip = hf_pretrained(
+            self.name, CLIPVisionModelWithProjection, pretrained, output_loading_info=True
+        )
         self.head = load_head(resolve_head(self.name, os.fspath(head)), self.clip.config.projection_dim)
         self.image_size = image_size_of(self.clip.config.image_size)
         self._freeze()

@@ -55,8 +55,10 @@ def load_pairs(path: str | Path) -> list[Pair]:
             raise PreferenceFileError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
         missing = [k for k in ("prompt", "image_a", "image_b", "label") if k not in row]
         if missing or row.get("label") not in LABELS:
-            raise PreferenceFileError(f"{path}:{lineno}: need prompt, image_a, image_b and label in {LABELS}; "
-                                      f"missing {missing}, label {row.get('label')!r}")
+            raise PreferenceFileError(
+                f"{path}:{lineno}: need prompt, image_a, image_b and label in {LABELS}; "
+                f"missing {missing}, label {row.get('label')!r}"
+            )
         a, b = path.parent / row["image_a"], path.parent / row["image_b"]
         for image in (a, b):
             if not image.is_file():
@@ -77,8 +79,14 @@ def pairs_from_rankings(entries, image_root: str = "") -> list[dict]:
         for i in range(len(paths)):
             for j in range(i + 1, len(paths)):
                 label = "tie" if ranks[i] == ranks[j] else ("a" if ranks[i] < ranks[j] else "b")
-                rows.append({"prompt": entry["prompt"], "image_a": str(Path(image_root) / paths[i]),
-                             "image_b": str(Path(image_root) / paths[j]), "label": label})
+                rows.append(
+                    {
+                        "prompt": entry["prompt"],
+                        "image_a": str(Path(image_root) / paths[i]),
+                        "image_b": str(Path(image_root) / paths[j]),
+                        "label": label,
+                    }
+                )
     return rows
 
 
@@ -87,8 +95,10 @@ def load_folder(directory: str | Path) -> tuple[list[Path], list[str]]:
     directory = Path(directory)
     index = directory / "prompts.jsonl"
     if not index.is_file():
-        raise PreferenceFileError(f"image folder '{directory}' needs a prompts.jsonl with one "
-                                  '{"image": "file.png", "prompt": "..."} per line')
+        raise PreferenceFileError(
+            f"image folder '{directory}' needs a prompts.jsonl with one "
+            '{"image": "file.png", "prompt": "..."} per line'
+        )
     images, prompts = [], []
     for lineno, line in enumerate(index.read_text().splitlines(), 1):
         if line.strip():
@@ -114,8 +124,9 @@ def read_images(paths: list[Path], where: list[str] | None = None) -> torch.Tens
                 arrays.append(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             at = f"{where[i]}: " if where else ""
-            raise PreferenceFileError(f"{at}image '{p}' cannot be read ({one_line(err)}); replace the file or "
-                                      "remove that line") from None
+            raise PreferenceFileError(
+                f"{at}image '{p}' cannot be read ({one_line(err)}); replace the file or remove that line"
+            ) from None
     sizes = {a.shape for a in arrays}
     if len(sizes) > 1:
         raise PreferenceFileError(f"images differ in size {sorted(sizes)}; resize them to one size first")
@@ -123,32 +134,48 @@ def read_images(paths: list[Path], where: list[str] | None = None) -> torch.Tens
 
 
 # -- metrics ------------------------------------------------------------------------------
-def pairwise_accuracy(score_a: torch.Tensor, score_b: torch.Tensor, labels: list[str],
-                      tie_threshold: float = 0.0) -> dict[str, float]:
+def pairwise_accuracy(
+    score_a: torch.Tensor, score_b: torch.Tensor, labels: list[str], tie_threshold: float = 0.0
+) -> dict[str, float]:
     """Accuracy with ties (Pick-a-Pic's credit) and without (tie-labelled pairs dropped)."""
     diff = (score_a - score_b).double()
     pred = ["tie" if abs(d) <= tie_threshold else ("a" if d > 0 else "b") for d in diff.tolist()]
     credit = [1.0 if p == y else (0.5 if "tie" in (p, y) else 0.0) for p, y in zip(pred, labels)]
-    strict = [1.0 if (d > 0) == (y == "a") and d != 0 else (0.5 if d == 0 else 0.0)
-              for d, y in zip(diff.tolist(), labels) if y != "tie"]
-    return {"accuracy_with_ties": sum(credit) / len(credit),
-            "accuracy_without_ties": sum(strict) / len(strict) if strict else float("nan"),
-            "pairs": len(labels), "tie_pairs": sum(y == "tie" for y in labels)}
+    strict = [
+        1.0 if (d > 0) == (y == "a") and d != 0 else (0.5 if d == 0 else 0.0)
+        for d, y in zip(diff.tolist(), labels)
+        if y != "tie"
+    ]
+    return {
+        "accuracy_with_ties": sum(credit) / len(credit),
+        "accuracy_without_ties": sum(strict) / len(strict) if strict else float("nan"),
+        "pairs": len(labels),
+        "tie_pairs": sum(y == "tie" for y in labels),
+    }
 
 
 def best_tie_threshold(score_a, score_b, labels) -> tuple[float, float]:
     """The threshold (among the observed |differences| and 0) with the best accuracy
     with ties: Pick-a-Pic tunes it on validation data, so on the test set it is optimistic."""
     diffs = sorted({0.0, *(abs(d) for d in (score_a - score_b).double().tolist())})
-    best = max(diffs, key=lambda t: (pairwise_accuracy(score_a, score_b, labels, t)["accuracy_with_ties"], -t))
+    best = max(
+        diffs, key=lambda t: (pairwise_accuracy(score_a, score_b, labels, t)["accuracy_with_ties"], -t)
+    )
     return best, pairwise_accuracy(score_a, score_b, labels, best)["accuracy_with_ties"]
 
 
 def score_stats(scores: torch.Tensor) -> dict[str, float]:
     s = scores.double()
     q = torch.quantile(s, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist()
-    return {"mean": float(s.mean()), "std": float(s.std(unbiased=False)), "min": float(s.min()),
-            "p05": q[0], "median": q[1], "p95": q[2], "max": float(s.max())}
+    return {
+        "mean": float(s.mean()),
+        "std": float(s.std(unbiased=False)),
+        "min": float(s.min()),
+        "p05": q[0],
+        "median": q[1],
+        "p95": q[2],
+        "max": float(s.max()),
+    }
 
 
 def rank_correlations(scores: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
@@ -156,9 +183,11 @@ def rank_correlations(scores: dict[str, torch.Tensor]) -> dict[str, dict[str, fl
     names = list(scores)
     out = {}
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            out[f"{a} vs {b}"] = {"spearman": spearman_rho(scores[a], scores[b]),
-                                  "kendall": kendall_tau(scores[a], scores[b])}
+        for b in names[i + 1 :]:
+            out[f"{a} vs {b}"] = {
+                "spearman": spearman_rho(scores[a], scores[b]),
+                "kendall": kendall_tau(scores[a], scores[b]),
+            }
     return out
 
 
@@ -172,7 +201,12 @@ def score_all(reward, name: str, images: torch.Tensor, prompts: list[str], batch
     out = []
     with torch.no_grad():
         for s in range(0, len(prompts), batch_size):
-            out.append(reward(images[s:s + batch_size], prompts[s:s + batch_size], {})[name].detach().float().cpu())
+            out.append(
+                reward(images[s : s + batch_size], prompts[s : s + batch_size], {})[name]
+                .detach()
+                .float()
+                .cpu()
+            )
     return torch.cat(out)
 
 
@@ -196,6 +230,12 @@ def measure_speed(reward, name: str, images, prompts, batch_sizes, repeats: int,
             if r:
                 times.append(time.perf_counter() - t0)
         latency = statistics.median(times)
-        rows.append({"batch_size": bs, "latency_ms": latency * 1e3, "images_per_s": bs / latency,
-                     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
+        rows.append(
+            {
+                "batch_size": bs,
+                "latency_ms": latency * 1e3,
+                "images_per_s": bs / latency,
+                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            }
+        )
     return rows

@@ -10,8 +10,16 @@ import torch
 from PIL import Image, ImageDraw
 
 # one palette for every chart of the project (diffrl.evaluation.plots uses it too)
-COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127)]
+COLOURS = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+]
 
 
 def _fmt(value, digits=3) -> str:
@@ -21,21 +29,28 @@ def _fmt(value, digits=3) -> str:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| reward | accuracy with ties | tuned threshold (accuracy) | accuracy without ties | "
-             "images/s (batch) | latency ms (batch) | peak GiB | score mean +- std |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| reward | accuracy with ties | tuned threshold (accuracy) | accuracy without ties | "
+        "images/s (batch) | latency ms (batch) | peak GiB | score mean +- std |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results["rewards"].items():
         acc = r.get("pairwise") or {}
         fastest = max(r["speed"], key=lambda s: s["images_per_s"]) if r.get("speed") else {}
         smallest = r["speed"][0] if r.get("speed") else {}
         stats = r["scores"]
-        tuned = f"{_fmt(acc.get('best_tie_threshold'), 4)} ({_fmt(acc.get('accuracy_at_best_threshold'))})" \
-            if acc else "-"
+        tuned = (
+            f"{_fmt(acc.get('best_tie_threshold'), 4)} ({_fmt(acc.get('accuracy_at_best_threshold'))})"
+            if acc
+            else "-"
+        )
         lines.append(
-            f"| {name} | {_fmt(acc.get('accuracy_with_ties'))} | {tuned} | {_fmt(acc.get('accuracy_without_ties'))} "
+            f"| {name} | {_fmt(acc.get('accuracy_with_ties'))} | {tuned} | "
+            f"{_fmt(acc.get('accuracy_without_ties'))} "
             f"| {_fmt(fastest.get('images_per_s'), 1)} ({fastest.get('batch_size', '-')}) "
             f"| {_fmt(smallest.get('latency_ms'), 1)} ({smallest.get('batch_size', '-')}) "
-            f"| {_fmt(fastest.get('peak_memory_gib'), 2)} | {stats['mean']:.4g} +- {stats['std']:.3g} |")
+            f"| {_fmt(fastest.get('peak_memory_gib'), 2)} | {stats['mean']:.4g} +- {stats['std']:.3g} |"
+        )
     corr = results.get("rank_correlations") or {}
     if corr:
         lines += ["", "| rewards | Spearman | Kendall |", "|---|---|---|"]
@@ -94,8 +109,9 @@ def _histograms(draw, box, scores: dict[str, torch.Tensor], bins: int = 20):
         width = (x1 - x0) / bins
         for b, c in enumerate(counts.tolist()):
             bar = (height - 18) * c / peak
-            draw.rectangle((x0 + b * width + 1, top + height - bar, x0 + (b + 1) * width - 1, top + height),
-                           fill=colour)
+            draw.rectangle(
+                (x0 + b * width + 1, top + height - bar, x0 + (b + 1) * width - 1, top + height), fill=colour
+            )
         draw.text((x0 + 4, top + 2), f"{name}  [{lo:.3g}, {hi:.3g}]", fill=colour)
 
 

@@ -35,7 +35,9 @@ class ViTConfig:
 
     def __post_init__(self):
         if self.image_size % self.patch_size:
-            raise ValueError(f"vision_config: image_size {self.image_size} is not a multiple of patch {self.patch_size}")
+            raise ValueError(
+                f"vision_config: image_size {self.image_size} is not a multiple of patch {self.patch_size}"
+            )
         if self.width % self.heads:
             raise ValueError(f"vision_config: width {self.width} is not divisible by heads {self.heads}")
 
@@ -57,22 +59,36 @@ class TextConfig:
     def from_med_config(cls, med: dict, encoder_width: int, source: str = "med_config") -> TextConfig:
         """Read BLIP's ``med_config.json``. Like BLIP_Pretrain, the file's own ``encoder_width``
         (768 in the shipped file) is overridden by the vision width (1024 for ViT-L)."""
-        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "intermediate_size", "max_position_embeddings"]
+        required = [
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ]
         missing = [k for k in required if k not in med]
         if missing:
             raise ValueError(f"{source}: missing keys {missing}")
         # Only what med.py does for ImageReward is implemented; anything else would score wrongly.
         if med.get("hidden_act", "gelu") != "gelu":
-            raise ValueError(f"{source}: hidden_act {med['hidden_act']!r} is not supported (BLIP uses 'gelu')")
+            raise ValueError(
+                f"{source}: hidden_act {med['hidden_act']!r} is not supported (BLIP uses 'gelu')"
+            )
         if med.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"{source}: only absolute position embeddings are supported")
         if not med.get("add_cross_attention", False):
-            raise ValueError(f"{source}: add_cross_attention must be true (ImageReward's text encoder attends to the image)")
+            raise ValueError(
+                f"{source}: add_cross_attention must be true (ImageReward's text encoder attends "
+                "to the image)"
+            )
         if med["hidden_size"] % med["num_attention_heads"]:
             raise ValueError(f"{source}: hidden_size is not divisible by num_attention_heads")
-        return cls(**{k: int(med[k]) for k in required}, layer_norm_eps=float(med.get("layer_norm_eps", 1e-12)),
-                   encoder_width=int(encoder_width))
+        return cls(
+            **{k: int(med[k]) for k in required},
+            layer_norm_eps=float(med.get("layer_norm_eps", 1e-12)),
+            encoder_width=int(encoder_width),
+        )
 
 
 def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -262,9 +278,13 @@ class BertTextEncoder(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image: torch.Tensor
+    ) -> torch.Tensor:
         if input_ids.shape[1] > self.cfg.max_position_embeddings:
-            raise ValueError(f"text of {input_ids.shape[1]} tokens exceeds {self.cfg.max_position_embeddings} positions")
+            raise ValueError(
+                f"text of {input_ids.shape[1]} tokens exceeds {self.cfg.max_position_embeddings} positions"
+            )
         x = self.embeddings(input_ids)
         # med.py adds -10000 to padded keys; after softmax that weight is exactly 0 in fp32/bf16,
         # the same as a boolean mask. Bidirectional: ImageReward calls the encoder with is_decoder=False.

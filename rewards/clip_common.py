@@ -35,9 +35,12 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
 }
 # "owner/name" with the characters the hub allows; anything else is taken for a local path
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -62,8 +65,12 @@ def resolve_dtype(dtype) -> torch.dtype:
 def looks_like_hub_id(spec: str) -> bool:
     """True for ``owner/name`` that is not an existing local path (nor a weights file name,
     so a mistyped relative path like ``ckpt/HPS_v2.pt`` is reported as a missing file)."""
-    return (bool(_HUB_ID.match(spec)) and not os.path.exists(spec) and not spec.startswith(".")
-            and not spec.endswith(_WEIGHT_SUFFIXES))
+    return (
+        bool(_HUB_ID.match(spec))
+        and not os.path.exists(spec)
+        and not spec.startswith(".")
+        and not spec.endswith(_WEIGHT_SUFFIXES)
+    )
 
 
 def missing_weights(reward: str, what: str, fetch: str) -> MissingRewardWeightsError:
@@ -95,7 +102,8 @@ def url_file(reward: str, url: str) -> str:
         torch.hub.download_url_to_file(url, dst, progress=False)
     except Exception as err:
         raise missing_weights(
-            reward, f"'{url}' could not be downloaded ({type(err).__name__})",
+            reward,
+            f"'{url}' could not be downloaded ({type(err).__name__})",
             f"Fetch it with `wget '{url}' -O '{dst}'`, or pass a local file path.",
         ) from err
     return dst
@@ -110,8 +118,11 @@ def local_file(reward: str, path: str, fetch: str) -> str:
 
 def hf_pretrained(reward: str, cls, spec: str, arg: str = "pretrained", **kwargs):
     """``cls.from_pretrained(spec)`` for a local directory or a hub id, with one clear error."""
-    fetch = (f"Download it with `hf download {spec} --local-dir DIR` and pass {arg}='DIR'"
-             if looks_like_hub_id(spec) else f"Pass {arg}= a hub id or a directory saved with save_pretrained")
+    fetch = (
+        f"Download it with `hf download {spec} --local-dir DIR` and pass {arg}='DIR'"
+        if looks_like_hub_id(spec)
+        else f"Pass {arg}= a hub id or a directory saved with save_pretrained"
+    )
     if not looks_like_hub_id(spec) and not os.path.isdir(os.path.expanduser(spec)):
         raise missing_weights(reward, f"no directory at '{spec}'", fetch + ".")
     try:
@@ -124,7 +135,9 @@ def hf_pretrained(reward: str, cls, spec: str, arg: str = "pretrained", **kwargs
     model, info = loaded
     if info.get("missing_keys"):  # a reward with randomly initialised layers is silently wrong
         missing = sorted(info["missing_keys"])
-        raise ValueError(f"{reward}: '{spec}' lacks weights for {len(missing)} parameters, e.g. {missing[:3]}")
+        raise ValueError(
+            f"{reward}: '{spec}' lacks weights for {len(missing)} parameters, e.g. {missing[:3]}"
+        )
     return model
 
 
@@ -152,7 +165,7 @@ def quiet_loading():
 def strip_prefix(state_dict: dict, prefix: str = "module.") -> dict:
     """Drop a DistributedDataParallel ``module.`` prefix when every key carries it."""
     if state_dict and all(k.startswith(prefix) for k in state_dict):
-        return {k[len(prefix):]: v for k, v in state_dict.items()}
+        return {k[len(prefix) :]: v for k, v in state_dict.items()}
     return state_dict
 
 
@@ -216,7 +229,9 @@ def resize_bicubic_pil(images: torch.Tensor, size_hw: tuple[int, int]) -> torch.
         images = F.interpolate(images, size=(h, new_w), mode="bicubic", align_corners=False, antialias=True)
         images = images.clamp(0, 1)
     if new_h != h:
-        images = F.interpolate(images, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)
+        images = F.interpolate(
+            images, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True
+        )
         images = images.clamp(0, 1)
     return images
 
@@ -234,7 +249,7 @@ def resize_shortest_and_center_crop(images: torch.Tensor, size: int) -> torch.Te
         new_h, new_w = size, int(size * w / h)
     images = resize_bicubic_pil(images, (new_h, new_w))
     top, left = (new_h - size) // 2, (new_w - size) // 2
-    return images[..., top:top + size, left:left + size]
+    return images[..., top : top + size, left : left + size]
 
 
 def normalize(images: torch.Tensor, mean=CLIP_MEAN, std=CLIP_STD) -> torch.Tensor:
@@ -315,16 +330,17 @@ class ClipReward:
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def run_chunked(score: Callable, batch: torch.Tensor, prompts: list[str], batch_size: int,
-                device: torch.device) -> dict[str, torch.Tensor]:
+def run_chunked(
+    score: Callable, batch: torch.Tensor, prompts: list[str], batch_size: int, device: torch.device
+) -> dict[str, torch.Tensor]:
     """Score ``batch`` ``batch_size`` images at a time; (B,) fp32 results on the input's device.
 
     Images are scored independently, so chunking only bounds memory, never the result.
     """
     parts = []
     for i in range(0, batch.shape[0], batch_size):
-        pixels = batch[i:i + batch_size].to(device=device, dtype=torch.float32)
-        parts.append(score(pixels, prompts[i:i + batch_size]))
+        pixels = batch[i : i + batch_size].to(device=device, dtype=torch.float32)
+        parts.append(score(pixels, prompts[i : i + batch_size]))
     return {k: torch.cat([p[k] for p in parts]).float().to(batch.device) for k in parts[0]}
 
 
@@ -339,7 +355,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def hf_tokenize(tokenizer, prompts: list[str], max_length: int, device) -> dict[str, torch.Tensor]:
     """Pad every prompt to the model's full context so a prompt tokenizes the same in any batch."""
-    enc = tokenizer(prompts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    enc = tokenizer(
+        prompts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
+    )
     return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
 
 
@@ -373,8 +391,14 @@ class TransformersClipReward(ClipReward):
     default_pretrained = "openai/clip-vit-large-patch14"
     default_tokenizer: str | None = None
 
-    def __init__(self, pretrained: str | None = None, tokenizer: str | None = None, device=None,
-                 dtype="float32", batch_size: int = 16):
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        tokenizer: str | None = None,
+        device=None,
+        dtype="float32",
+        batch_size: int = 16,
+    ):
         from transformers import AutoTokenizer, CLIPModel
 
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)

@@ -26,10 +26,18 @@ class CLIPScore(TransformersClipReward):
     name = "clipscore"
     default_pretrained = "openai/clip-vit-large-patch14"
 
-    def __init__(self, pretrained: str | None = None, tokenizer: str | None = None, scale: float = 100.0,
-                 device=None, dtype="float32", batch_size: int = 16):
-        super().__init__(pretrained=pretrained, tokenizer=tokenizer, device=device, dtype=dtype,
-                         batch_size=batch_size)
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        tokenizer: str | None = None,
+        scale: float = 100.0,
+        device=None,
+        dtype="float32",
+        batch_size: int = 16,
+    ):
+        super().__init__(
+            pretrained=pretrained, tokenizer=tokenizer, device=device, dtype=dtype, batch_size=batch_size
+        )
         self.scale = float(scale)
 
     def _score(self, pixels, prompts):

@@ -13,8 +13,9 @@ class RewardPromptError(ValueError):
 
 def _check_unique(names: list[str]) -> None:
     if len(set(names)) != len(names):
-        raise rewards.RewardArgsError(f"rewards: each reward may appear once, got {names}; merge the "
-                                      "duplicates into one entry")
+        raise rewards.RewardArgsError(
+            f"rewards: each reward may appear once, got {names}; merge the duplicates into one entry"
+        )
 
 
 def check_reward_specs(specs) -> None:

@@ -55,7 +55,9 @@ def load_hps_model(reward: str, checkpoint: str, model_name: str):
     # map_location="cpu": the file may carry CUDA tensors; the reward moves the model itself
     checkpoint_dict = torch.load(checkpoint, map_location="cpu", weights_only=True)
     if not isinstance(checkpoint_dict, dict) or "state_dict" not in checkpoint_dict:
-        raise ValueError(f"{reward}: '{checkpoint}' is not an HPS checkpoint (expected a dict with 'state_dict')")
+        raise ValueError(
+            f"{reward}: '{checkpoint}' is not an HPS checkpoint (expected a dict with 'state_dict')"
+        )
     model.load_state_dict(strip_prefix(checkpoint_dict["state_dict"]), strict=True)
     return model, open_clip.get_tokenizer(model_name)
 
@@ -75,8 +77,14 @@ class HPSv2(ClipReward):
     name = "hpsv2"
     filename = "HPS_v2_compressed.pt"
 
-    def __init__(self, checkpoint: str | None = None, model_name: str = "ViT-H-14", device=None,
-                 dtype="float32", batch_size: int = 16):
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        model_name: str = "ViT-H-14",
+        device=None,
+        dtype="float32",
+        batch_size: int = 16,
+    ):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
         path = self._resolve(checkpoint)
         self.model, self.tokenizer = load_hps_model(self.name, path, model_name)
@@ -87,15 +95,20 @@ class HPSv2(ClipReward):
         """None -> the official hub file; a hub id -> its ``filename``; a directory -> the
         ``filename`` in it; else a local file."""
         if checkpoint == RANDOM:
-            print(f"{self.name}: random weights (checkpoint='random'): speed and memory only, scores mean nothing")
+            print(
+                f"{self.name}: random weights (checkpoint='random'): speed and memory only, "
+                "scores mean nothing"
+            )
             return RANDOM
         if checkpoint is None or looks_like_hub_id(str(checkpoint)):
             return hub_file(self.name, checkpoint or HUB_REPO, self.filename)
         path = os.path.expanduser(str(checkpoint))
         if os.path.isdir(path):
             path = os.path.join(path, self.filename)
-        fetch = (f"Download it with `hf download {HUB_REPO} {self.filename} --local-dir DIR` "
-                 f"and pass checkpoint='DIR/{self.filename}' (or checkpoint=None to use the hub cache).")
+        fetch = (
+            f"Download it with `hf download {HUB_REPO} {self.filename} --local-dir DIR` "
+            f"and pass checkpoint='DIR/{self.filename}' (or checkpoint=None to use the hub cache)."
+        )
         return local_file(self.name, path, fetch)
 
     def _modules(self):

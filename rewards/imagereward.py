@@ -41,20 +41,30 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_LENGTH = 35  # ImageReward.score: padding='max_length', truncation=True, max_length=35
 DOWNLOAD_HINT = (
     "Get the official files with `hf download THUDM/ImageReward ImageReward.pt med_config.json "
-    "--local-dir DIR` and pass checkpoint='DIR/ImageReward.pt' (med_config.json is read from the same folder)."
+    "--local-dir DIR` and pass checkpoint='DIR/ImageReward.pt' (med_config.json is read from "
+    "the same folder)."
 )
 TOKENIZER_HINT = (
     "ImageReward uses the bert-base-uncased tokenizer: `hf download bert-base-uncased vocab.txt "
     "tokenizer_config.json --local-dir DIR` and pass tokenizer='DIR'."
 )
 _VISION_KEYS = {"image_size", "patch_size", "width", "depth", "heads", "mlp_ratio"}
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 # Official key prefix -> our module's prefix; the rest of each key is the same (rewards/blip.py
 # keeps vit.py's and med.py's names).
-_RENAMES = (("blip.visual_encoder.", "visual_encoder."), ("blip.text_encoder.", "text_encoder."),
-            ("mlp.layers.", "mlp.layers."))
+_RENAMES = (
+    ("blip.visual_encoder.", "visual_encoder."),
+    ("blip.text_encoder.", "text_encoder."),
+    ("mlp.layers.", "mlp.layers."),
+)
 # In ImageReward.pt but not used to score: BLIP_Pretrain's ITC projections and a buffer (arange).
 _UNUSED = ("blip.vision_proj.", "blip.text_proj.", "blip.text_encoder.embeddings.position_ids")
 
@@ -74,8 +84,14 @@ class RewardMLP(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(width, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),
+            nn.Linear(width, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +107,9 @@ class ImageRewardNet(nn.Module):
         self.text_encoder = BertTextEncoder(text)
         self.mlp = RewardMLP(text.hidden_size)
 
-    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, pixels: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         image = self.visual_encoder(pixels)
         text = self.text_encoder(input_ids, attention_mask, image)
         # the reference casts the CLS feature to float before the head; the head stays fp32 here
@@ -114,7 +132,9 @@ def preprocess(images: torch.Tensor, size: int = 224) -> torch.Tensor:
     new_h, new_w = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
     x = images.float()
     if (new_h, new_w) != (h, w):
-        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True).clamp(
+            0, 1
+        )
     top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
     x = x[..., top : top + size, left : left + size]
     mean = torch.tensor(CLIP_MEAN, device=x.device).view(1, 3, 1, 1)
@@ -147,8 +167,11 @@ def official_name(key: str) -> str:
 
 
 def _is_hub_id(spec: str) -> bool:
-    return not Path(spec).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None \
+    return (
+        not Path(spec).expanduser().exists()
+        and re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None
         and not spec.endswith((".pt", ".pth", ".bin", ".json"))
+    )
 
 
 def _hub_file(repo: str, filename: str, hint: str) -> Path:
@@ -191,7 +214,9 @@ def load_tokenizer(spec: str | Path, vocab_size: int):
     try:
         from transformers import BertTokenizer
 
-        tok = BertTokenizer.from_pretrained(str(Path(spec).expanduser()) if Path(spec).expanduser().exists() else spec)
+        tok = BertTokenizer.from_pretrained(
+            str(Path(spec).expanduser()) if Path(spec).expanduser().exists() else spec
+        )
     except Exception as err:
         raise ImageRewardFilesMissing(
             f"ImageReward: tokenizer '{spec}' could not be loaded ({one_line(err)}). {TOKENIZER_HINT}"
@@ -201,8 +226,10 @@ def load_tokenizer(spec: str | Path, vocab_size: int):
     tok.add_tokens(["[ENC]"], special_tokens=True)
     tok.enc_token_id = tok.convert_tokens_to_ids("[ENC]")
     if len(tok) > vocab_size:
-        raise ValueError(f"ImageReward: tokenizer '{spec}' has {len(tok)} tokens but the text embedding has "
-                         f"{vocab_size} rows; it is not the bert-base-uncased vocabulary the checkpoint expects")
+        raise ValueError(
+            f"ImageReward: tokenizer '{spec}' has {len(tok)} tokens but the text embedding has "
+            f"{vocab_size} rows; it is not the bert-base-uncased vocabulary the checkpoint expects"
+        )
     return tok
 
 
@@ -211,8 +238,10 @@ def load_net(path: Path, vision: ViTConfig, text: TextConfig) -> ImageRewardNet:
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or not any(str(k).startswith("blip.") for k in state):
         top = list(state)[:5] if isinstance(state, dict) else type(state).__name__
-        raise ImageRewardCheckpointError(f"ImageReward: '{path}' is not an ImageReward state dict "
-                                         f"(expected keys 'blip.*' and 'mlp.*'; found {top})")
+        raise ImageRewardCheckpointError(
+            f"ImageReward: '{path}' is not an ImageReward state dict "
+            f"(expected keys 'blip.*' and 'mlp.*'; found {top})"
+        )
     mapped = map_official_state_dict(state)
     net = ImageRewardNet(vision, text)
     expected = set(net.state_dict())
@@ -221,7 +250,8 @@ def load_net(path: Path, vision: ViTConfig, text: TextConfig) -> ImageRewardNet:
     if missing or unexpected:
         raise ImageRewardCheckpointError(
             f"ImageReward: '{path}' does not match the model built from med_config/vision_config: "
-            f"{len(missing)} missing keys {missing[:8]}, {len(unexpected)} unexpected keys {unexpected[:8]}")
+            f"{len(missing)} missing keys {missing[:8]}, {len(unexpected)} unexpected keys {unexpected[:8]}"
+        )
     try:
         net.load_state_dict(mapped, strict=True)
     except RuntimeError as err:  # shapes: a vision_config or med_config that is not the checkpoint's
@@ -255,10 +285,17 @@ class ImageReward:
 
     name = "imagereward"
 
-    def __init__(self, checkpoint: str | Path = HUB_REPO, med_config: str | Path | dict | None = None,
-                 tokenizer: str | Path = "bert-base-uncased", device: str | torch.device | None = None,
-                 dtype: str | torch.dtype = "float32", batch_size: int = 8, vision_config: dict | None = None,
-                 max_length: int = MAX_LENGTH):
+    def __init__(
+        self,
+        checkpoint: str | Path = HUB_REPO,
+        med_config: str | Path | dict | None = None,
+        tokenizer: str | Path = "bert-base-uncased",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = "float32",
+        batch_size: int = 8,
+        vision_config: dict | None = None,
+        max_length: int = MAX_LENGTH,
+    ):
         if int(batch_size) < 1:
             raise ValueError(f"imagereward: batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.max_length = int(batch_size), int(max_length)
@@ -271,7 +308,9 @@ class ImageReward:
         self.image_size = vision.image_size
         self.to(device or ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
 
-    def to(self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> ImageReward:
+    def to(
+        self, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+    ) -> ImageReward:
         """Move the encoders to ``device``/``dtype``; the small MLP head stays float32."""
         if device is not None:
             self.device = torch.device(device)
@@ -283,8 +322,13 @@ class ImageReward:
         return self
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
-                             return_tensors="pt")
+        enc = self.tokenizer(
+            list(prompts),
+            padding="max_length",
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
         return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
 
     def _prompts(self, prompts, n: int) -> list[str]:
@@ -292,7 +336,9 @@ class ImageReward:
             prompts = [prompts] * n
         prompts = list(prompts)
         if len(prompts) != n or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"imagereward: need one prompt string per image ({n} images), got {len(prompts)} prompts")
+            raise ValueError(
+                f"imagereward: need one prompt string per image ({n} images), got {len(prompts)} prompts"
+            )
         return prompts
 
     def score_pixels(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -306,12 +352,16 @@ class ImageReward:
             return {self.name: torch.zeros(0, device=self.device)}
         lo, hi = batch.detach().aminmax()
         if lo < -0.5 or hi > 1.5:  # catches [-1, 1] or 0..255 inputs, which would score silently wrong
-            raise RewardInputError(f"imagereward: images must be in [0, 1]; got values in [{lo:.3g}, {hi:.3g}]")
+            raise RewardInputError(
+                f"imagereward: images must be in [0, 1]; got values in [{lo:.3g}, {hi:.3g}]"
+            )
         frames = batch.flatten(0, 1) if batch.ndim == 5 else batch
         repeat = frames.shape[0] // batch.shape[0]  # video: F frames per prompt
         texts = [p for p in self._prompts(prompts, batch.shape[0]) for _ in range(repeat)]
         scores = []
-        for s in range(0, frames.shape[0], self.batch_size):  # one chunk of full-size frames on the device at a time
+        for s in range(
+            0, frames.shape[0], self.batch_size
+        ):  # one chunk of full-size frames on the device at a time
             pixels = preprocess(frames[s : s + self.batch_size].to(self.device), self.image_size)
             scores.append(self.score_pixels(pixels, texts[s : s + self.batch_size]))
         return {self.name: torch.cat(scores).view(batch.shape[0], repeat).mean(1)}

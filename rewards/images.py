@@ -18,17 +18,26 @@ def to_tensor_batch(images) -> torch.Tensor:
         arrays = []
         for i, im in enumerate(images):
             if not hasattr(im, "convert"):
-                raise RewardInputError(f"image {i} is {type(im).__name__}; expected a PIL image or a tensor batch")
-            arrays.append(torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1))
+                raise RewardInputError(
+                    f"image {i} is {type(im).__name__}; expected a PIL image or a tensor batch"
+                )
+            arrays.append(
+                torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+            )
         sizes = sorted({tuple(a.shape[1:]) for a in arrays})
         if len(sizes) > 1:
-            raise RewardInputError(f"PIL images in one batch must share a size; got {sizes} (resize them first)")
+            raise RewardInputError(
+                f"PIL images in one batch must share a size; got {sizes} (resize them first)"
+            )
         return torch.stack(arrays)
     if not isinstance(images, torch.Tensor):
-        raise RewardInputError(f"reward got {type(images).__name__}; expected a float tensor or a list of PIL images")
+        raise RewardInputError(
+            f"reward got {type(images).__name__}; expected a float tensor or a list of PIL images"
+        )
     if images.ndim not in (4, 5) or images.shape[-3] != 3:
         raise RewardInputError(
-            f"reward images must be (B, 3, H, W) or (B, F, 3, H, W) with 3 channels; got shape {tuple(images.shape)}"
+            "reward images must be (B, 3, H, W) or (B, F, 3, H, W) with 3 channels; got shape "
+            f"{tuple(images.shape)}"
         )
     return images.float()
 

@@ -15,8 +15,13 @@ import importlib
 
 
 class Registry:
-    def __init__(self, kind: str, entries: dict | None = None, error: type[Exception] = ValueError,
-                 plural: str | None = None):
+    def __init__(
+        self,
+        kind: str,
+        entries: dict | None = None,
+        error: type[Exception] = ValueError,
+        plural: str | None = None,
+    ):
         self.kind, self.error = kind, error
         self.plural = plural or f"{kind}s"
         self._entries: dict = dict(entries or {})
@@ -37,7 +42,9 @@ class Registry:
         """The error for an unregistered ``name``: a "did you mean" and every valid name."""
         close = difflib.get_close_matches(name, self.available(), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        return self.error(f"unknown {self.kind} '{name}'.{hint} Valid {self.plural}: {', '.join(self.available())}")
+        return self.error(
+            f"unknown {self.kind} '{name}'.{hint} Valid {self.plural}: {', '.join(self.available())}"
+        )
 
     def get(self, name: str):
         if name not in self._entries:

@@ -23,8 +23,10 @@ AGGREGATES = ("mean", "min")
 def as_video(images, reward: str) -> torch.Tensor:
     batch = to_tensor_batch(images)
     if batch.ndim != 5:
-        raise RewardInputError(f"{reward} scores videos: expected (B, F, 3, H, W) in [0, 1], got shape "
-                               f"{tuple(batch.shape)}; for images use the image reward itself")
+        raise RewardInputError(
+            f"{reward} scores videos: expected (B, F, 3, H, W) in [0, 1], got shape "
+            f"{tuple(batch.shape)}; for images use the image reward itself"
+        )
     return batch
 
 
@@ -42,8 +44,13 @@ class FrameReward:
 
     name = "video_frames"
 
-    def __init__(self, reward: str = "jpeg_compressibility", args: dict | None = None, num_frames: int = 4,
-                 aggregate: str = "mean"):
+    def __init__(
+        self,
+        reward: str = "jpeg_compressibility",
+        args: dict | None = None,
+        num_frames: int = 4,
+        aggregate: str = "mean",
+    ):
         if aggregate not in AGGREGATES:
             raise ValueError(f"{self.name}: aggregate must be one of {AGGREGATES}, got '{aggregate}'")
         if int(num_frames) < 1:
@@ -64,8 +71,11 @@ class FrameReward:
         texts = None if prompts is None else [p for p in prompts for _ in idx]
         per_frame = self.inner(frames, texts, metadata or {})[self.inner_name].reshape(b, len(idx))
         agg = per_frame.mean(1) if self.aggregate == "mean" else per_frame.min(1).values
-        return {self.name: agg, f"{self.inner_name}_frame_mean": per_frame.mean(1),
-                f"{self.inner_name}_frame_min": per_frame.min(1).values}
+        return {
+            self.name: agg,
+            f"{self.inner_name}_frame_mean": per_frame.mean(1),
+            f"{self.inner_name}_frame_min": per_frame.min(1).values,
+        }
 
 
 class TemporalConsistency:
@@ -75,13 +85,21 @@ class TemporalConsistency:
 
     name = "temporal_consistency"
 
-    def __init__(self, pretrained: str = "openai/clip-vit-large-patch14", num_frames: int = 8, device=None,
-                 dtype="float32", batch_size: int = 16):
+    def __init__(
+        self,
+        pretrained: str = "openai/clip-vit-large-patch14",
+        num_frames: int = 8,
+        device=None,
+        dtype="float32",
+        batch_size: int = 16,
+    ):
         from transformers import CLIPVisionModelWithProjection
 
         from rewards.clip_common import hf_pretrained, image_size_of, resolve_dtype
 
-        self.model = hf_pretrained(self.name, CLIPVisionModelWithProjection, pretrained).eval().requires_grad_(False)
+        self.model = (
+            hf_pretrained(self.name, CLIPVisionModelWithProjection, pretrained).eval().requires_grad_(False)
+        )
         self.size = image_size_of(self.model.config.image_size)
         self.num_frames, self.batch_size = int(num_frames), int(batch_size)
         self.to(device or "cpu", resolve_dtype(dtype))
@@ -96,7 +114,9 @@ class TemporalConsistency:
 
         out = []
         for s in range(0, frames.shape[0], self.batch_size):
-            pixels = normalize(resize_shortest_and_center_crop(frames[s:s + self.batch_size].float(), self.size))
+            pixels = normalize(
+                resize_shortest_and_center_crop(frames[s : s + self.batch_size].float(), self.size)
+            )
             out.append(self.model(pixel_values=pixels.to(self.device, self.dtype)).image_embeds.float())
         return torch.nn.functional.normalize(torch.cat(out), dim=-1)
 

@@ -36,7 +36,9 @@ def parse_reward(spec: str) -> tuple[str, dict]:
     try:
         kwargs = json.loads(args) if args else {}
     except json.JSONDecodeError as err:
-        raise SystemExit(f"error: --reward '{spec}': the arguments after '=' must be a JSON object ({err.msg})") from None
+        raise SystemExit(
+            f"error: --reward '{spec}': the arguments after '=' must be a JSON object ({err.msg})"
+        ) from None
     if not isinstance(kwargs, dict):
         raise SystemExit(f"error: --reward '{spec}': the arguments after '=' must be a JSON object")
     return name.strip(), kwargs
@@ -58,35 +60,48 @@ def bench_one(reward, name: str, data: dict, args) -> tuple[dict, torch.Tensor]:
     result = {"scores": bench.score_stats(scores)}
     if data.get("labels"):
         n = len(data["labels"])
-        a, b = scores[:n], scores[n:2 * n]
+        a, b = scores[:n], scores[n : 2 * n]
         result["pairwise"] = bench.pairwise_accuracy(a, b, data["labels"], args.tie_threshold)
         result["pairwise"]["tie_threshold"] = args.tie_threshold
         t, acc = bench.best_tie_threshold(a, b, data["labels"])
         result["pairwise"].update(best_tie_threshold=t, accuracy_at_best_threshold=acc)
     if not args.no_speed:
-        result["speed"] = bench.measure_speed(reward, name, images, prompts, args.batch_sizes, args.repeats,
-                                              args.device)
+        result["speed"] = bench.measure_speed(
+            reward, name, images, prompts, args.batch_sizes, args.repeats, args.device
+        )
     return result, scores
 
 
 def load_data(args) -> dict:
     if args.images:
         paths, prompts = bench.load_folder(args.images)
-        return {"images": bench.read_images(paths, [f"{args.images}/prompts.jsonl"] * len(paths)), "prompts": prompts}
+        return {
+            "images": bench.read_images(paths, [f"{args.images}/prompts.jsonl"] * len(paths)),
+            "prompts": prompts,
+        }
     pairs = bench.load_pairs(args.pairs)
-    images = bench.read_images([p.image_a for p in pairs] + [p.image_b for p in pairs],
-                               [f"{p.where} (image_a)" for p in pairs] + [f"{p.where} (image_b)" for p in pairs])
+    images = bench.read_images(
+        [p.image_a for p in pairs] + [p.image_b for p in pairs],
+        [f"{p.where} (image_a)" for p in pairs] + [f"{p.where} (image_b)" for p in pairs],
+    )
     prompts = [p.prompt for p in pairs] * 2
     return {"images": images, "prompts": prompts, "labels": [p.label for p in pairs]}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reward", action="append", help="NAME or NAME={json args}; repeatable "
-                    "(default: shapeworld and jpeg_compressibility)")
-    ap.add_argument("--pairs", default=str(DEFAULT_PAIRS), help="preference JSONL (prompt, image_a, image_b, label)")
+    ap.add_argument(
+        "--reward",
+        action="append",
+        help="NAME or NAME={json args}; repeatable (default: shapeworld and jpeg_compressibility)",
+    )
+    ap.add_argument(
+        "--pairs", default=str(DEFAULT_PAIRS), help="preference JSONL (prompt, image_a, image_b, label)"
+    )
     ap.add_argument("--images", help="a folder of images with prompts.jsonl, instead of --pairs")
-    ap.add_argument("--tie-threshold", type=float, default=0.0, help="|score_a - score_b| <= this predicts a tie")
+    ap.add_argument(
+        "--tie-threshold", type=float, default=0.0, help="|score_a - score_b| <= this predicts a tie"
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

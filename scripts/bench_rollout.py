@@ -54,7 +54,7 @@ TARGETS = {  # measure -> (target text, peer anchor)
 
 
 def parse_schedules(text: str) -> list[tuple[list[int], list[int]]]:
-    """"0,3,6,9:2;1,4:4" -> [([0, 3, 6, 9], [2]), ([1, 4], [4])]."""
+    """ "0,3,6,9:2;1,4:4" -> [([0, 3, 6, 9], [2]), ([1, 4], [4])]."""
     out = []
     for item in text.split(";"):
         steps, factors = item.split(":")
@@ -71,8 +71,10 @@ def check_modes(text: str) -> list[str]:
     for mode in modes:
         precision, _, backend = mode.partition(":")
         if mode != "policy" and (precision not in PRECISIONS or (backend and backend not in BACKENDS)):
-            raise ConfigError(f"--modes entry '{mode}': use policy or PRECISION[:BACKEND] with PRECISION one of "
-                              f"{', '.join(PRECISIONS)} and BACKEND one of {', '.join(BACKENDS)}")
+            raise ConfigError(
+                f"--modes entry '{mode}': use policy or PRECISION[:BACKEND] with PRECISION one of "
+                f"{', '.join(PRECISIONS)} and BACKEND one of {', '.join(BACKENDS)}"
+            )
     return modes
 
 
@@ -80,7 +82,10 @@ def default_schedules(cfg) -> list[tuple[list[int], list[int]]]:
     """The config's own tree (when it fits its step count) and 16 leaves from the first 4 steps."""
     n = cfg.sampling.num_steps
     out = [([0, 1, 2, 3], [2])] if n > 4 else []
-    if max(cfg.tree.split_steps) < n and (list(cfg.tree.split_steps), list(cfg.tree.branch_factors)) not in out:
+    if (
+        max(cfg.tree.split_steps) < n
+        and (list(cfg.tree.split_steps), list(cfg.tree.branch_factors)) not in out
+    ):
         out.insert(0, (list(cfg.tree.split_steps), list(cfg.tree.branch_factors)))
     return out
 
@@ -123,23 +128,31 @@ def run_sections(args, cfg, written, device) -> dict:
         adapter, policy = build_policy(cfg, device)
         if "tree" in wanted:
             schedules = parse_schedules(args.schedules) if args.schedules else default_schedules(cfg)
-            out["tree"] = bench.tree_vs_independent(adapter, cfg, schedules, args.prompts,
-                                                    args.repeats)
+            out["tree"] = bench.tree_vs_independent(adapter, cfg, schedules, args.prompts, args.repeats)
         if "precision" in wanted:
             steps = cfg.solrl.explore_num_steps if cfg.solrl.explore == "ode" else cfg.sampling.num_steps
-            out["precision"] = bench.exploration_precision(adapter, check_modes(args.modes), args.batch,
-                                                           steps or cfg.sampling.num_steps, args.repeats)
+            out["precision"] = bench.exploration_precision(
+                adapter, check_modes(args.modes), args.batch, steps or cfg.sampling.num_steps, args.repeats
+            )
         if "optimisations" in wanted:
-            out["optimisations"] = bench.rollout_optimisations(adapter, args.batch, args.repeats,
-                                                               args.variants.split(","))
+            out["optimisations"] = bench.rollout_optimisations(
+                adapter, args.batch, args.repeats, args.variants.split(",")
+            )
         if "train" in wanted:
-            out["train"] = bench.training_step(adapter, cfg.train.micro_batch_size, args.repeats,
-                                               torch_dtype(cfg.model.dtype), cfg.objective.train_cfg)
+            out["train"] = bench.training_step(
+                adapter,
+                cfg.train.micro_batch_size,
+                args.repeats,
+                torch_dtype(cfg.model.dtype),
+                cfg.objective.train_cfg,
+            )
         del adapter, policy  # the iteration section builds its own trainers
         bench.release_memory()
     if "estimate" in wanted:
         if arch_for(written.model.pretrained) is None:
-            print(f"estimate: skipped, '{written.model.pretrained}' is not a shipped architecture (assets/arch)")
+            print(
+                f"estimate: skipped, '{written.model.pretrained}' is not a shipped architecture (assets/arch)"
+            )
         else:
             from diffrl.perf.estimate import estimate_config
 
@@ -156,7 +169,9 @@ def iterations(cfg, versus: list[str] = ()) -> dict:
     for assignment in versus:
         runs[f"config + {assignment}"] = with_overrides(cfg, [assignment])
     if cfg.solrl.enabled:
-        runs["flow-GRPO (solrl off)"] = with_overrides(cfg, ["solrl.enabled=false", "rollout.strategy=independent"])
+        runs["flow-GRPO (solrl off)"] = with_overrides(
+            cfg, ["solrl.enabled=false", "rollout.strategy=independent"]
+        )
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, c in runs.items():
@@ -169,7 +184,9 @@ def markdown(rows: list[dict]) -> str:
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        lines.append(
+            "| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -182,15 +199,21 @@ def ratio_rows(results: dict) -> list[dict]:
         rows.append({"measure": measure, "ours": value, "target": target, "peer anchor": anchor})
 
     for r in results.get("tree", []):
-        add("tree_nfe_ratio", f"tree/independent NFE per leaf, {r['schedule']}", f"{r['nfe_ratio']:.2f}x "
-            f"(time {r['time_ratio']:.2f}x)")
+        add(
+            "tree_nfe_ratio",
+            f"tree/independent NFE per leaf, {r['schedule']}",
+            f"{r['nfe_ratio']:.2f}x (time {r['time_ratio']:.2f}x)",
+        )
     for r in results.get("precision", []):
         if r["mode"] not in ("policy", "bf16"):
             add("fp8_speed", f"{r['mode']} exploration vs merged bf16 copy", f"{r['speed_vs_bf16']:.2f}x")
     if "train" in results:
         t = results["train"]
-        add("train_mfu", f"training-step MFU ({t['peak_basis']} peak; HFU {100 * t['hfu']:.1f}%)",
-            f"{100 * t['mfu']:.1f}%")
+        add(
+            "train_mfu",
+            f"training-step MFU ({t['peak_basis']} peak; HFU {100 * t['hfu']:.1f}%)",
+            f"{100 * t['mfu']:.1f}%",
+        )
     it = results.get("iteration", {})
     if "flow-GRPO (solrl off)" in it:
         a, b = it["config"]["total_seconds"], it["flow-GRPO (solrl off)"]["total_seconds"]
@@ -198,8 +221,14 @@ def ratio_rows(results: dict) -> list[dict]:
     for name, run in it.items():
         if name.startswith("config + "):
             speed = it["config"]["total_seconds"] / run["total_seconds"]
-            rows.append({"measure": f"iteration speed-up of {name[9:]}", "ours": f"{speed:.2f}x", "target": "> 1x to "
-                         "keep it", "peer anchor": "-"})
+            rows.append(
+                {
+                    "measure": f"iteration speed-up of {name[9:]}",
+                    "ours": f"{speed:.2f}x",
+                    "target": "> 1x to keep it",
+                    "peer anchor": "-",
+                }
+            )
     return rows
 
 
@@ -210,17 +239,26 @@ def report(results: dict) -> str:
             parts += [f"### {name}", markdown(results[name])]
     if "train" in results:
         t = results["train"]
-        parts += ["### train", f"FLOPs per step (FlopCounterMode): model {t['model_tflop']:.4g} TFLOP, executed "
-                  f"{t['executed_tflop']:.4g} TFLOP (with checkpointing's recompute)", markdown([t])]
+        parts += [
+            "### train",
+            f"FLOPs per step (FlopCounterMode): model {t['model_tflop']:.4g} TFLOP, executed "
+            f"{t['executed_tflop']:.4g} TFLOP (with checkpointing's recompute)",
+            markdown([t]),
+        ]
     if "estimate" in results:
         e = results["estimate"]
-        parts += [f"### estimate: {e['arch']} at full size, per process of {e['num_processes']} (meta device)",
-                  markdown([{k: v for k, v in e.items() if not isinstance(v, dict)}]),
-                  markdown([{"part": k, "GiB": v} for k, v in e["memory_gib"].items()])]
+        parts += [
+            f"### estimate: {e['arch']} at full size, per process of {e['num_processes']} (meta device)",
+            markdown([{k: v for k, v in e.items() if not isinstance(v, dict)}]),
+            markdown([{"part": k, "GiB": v} for k, v in e["memory_gib"].items()]),
+        ]
     for name, it in results.get("iteration", {}).items():
         rows = [{"stage": k, "seconds": v, "share": it["share"][k]} for k, v in it["seconds"].items()]
-        parts += [f"### iteration: {name} (median of {it['iterations_timed']}; total {it['total_seconds']:.3f} s, "
-                  f"peak {it['peak_gib']:.1f} GiB)", markdown(rows)]
+        parts += [
+            f"### iteration: {name} (median of {it['iterations_timed']}; total {it['total_seconds']:.3f} s, "
+            f"peak {it['peak_gib']:.1f} GiB)",
+            markdown(rows),
+        ]
     ratios = ratio_rows(results)
     if ratios:
         parts += ["### ratios", markdown(ratios)]
@@ -237,32 +275,57 @@ def main(argv=None) -> int:
     p.add_argument("--resolution", type=int, default=None, help="override model height and width")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant (median reported)")
     p.add_argument("--prompts", type=int, default=4, help="trees per rollout in the tree section")
-    p.add_argument("--schedules", default=None,
-                   help="tree section: ';'-separated 'split steps:branch factors' (default: the config's tree "
-                        "and splits at 0,1,2,3 into 2)")
-    p.add_argument("--modes", default="policy,bf16,fp8:auto,nvfp4:auto",
-                   help="precision section: policy (LoRA unmerged), bf16 (merged copy) or precision:backend")
+    p.add_argument(
+        "--schedules",
+        default=None,
+        help="tree section: ';'-separated 'split steps:branch factors' (default: the config's tree "
+        "and splits at 0,1,2,3 into 2)",
+    )
+    p.add_argument(
+        "--modes",
+        default="policy,bf16,fp8:auto,nvfp4:auto",
+        help="precision section: policy (LoRA unmerged), bf16 (merged copy) or precision:backend",
+    )
     p.add_argument("--variants", default="eager,compile,cudagraphs", help="optimisations section")
-    p.add_argument("--batch", type=int, default=None,
-                   help="samples per call in the precision/optimisations sections (default: rollout.batch_size)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="samples per call in the precision/optimisations sections (default: rollout.batch_size)",
+    )
     p.add_argument("--iterations", type=int, default=3, help="trainer iterations (the first is dropped)")
-    p.add_argument("--vs", action="append", default=[], metavar="KEY=VALUE",
-                   help="iteration section: also run the config with this assignment (repeatable)")
-    p.add_argument("--processes", type=int, default=8, help="estimate section: processes the config is split over")
+    p.add_argument(
+        "--vs",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="iteration section: also run the config with this assignment (repeatable)",
+    )
+    p.add_argument(
+        "--processes", type=int, default=8, help="estimate section: processes the config is split over"
+    )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args(argv)
     check_modes(args.modes)  # before any model is built
     cfg, written = resolve_config(args)
     args.batch = args.batch or cfg.rollout.batch_size
     device = torch.device(args.device)
-    head = (f"# {args.config}: {cfg.model.family} {cfg.model.pretrained} at {cfg.model.height}x{cfg.model.width}, "
-            f"{cfg.model.dtype}, {cfg.sampling.num_steps} steps; {device_name(device)}; torch {torch.__version__}")
+    head = (
+        f"# {args.config}: {cfg.model.family} {cfg.model.pretrained} at "
+        f"{cfg.model.height}x{cfg.model.width}, "
+        f"{cfg.model.dtype}, {cfg.sampling.num_steps} steps; {device_name(device)}; torch {torch.__version__}"
+    )
     print(head, flush=True)
     results = run_sections(args, cfg, written, device)
     print(report(results))
     if args.json:
-        args.json.write_text(json.dumps({"head": head, "args": {k: str(v) for k, v in vars(args).items()},
-                                         "results": results}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"head": head, "args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 

@@ -22,16 +22,24 @@ from diffrl.cli import run_cli  # noqa: E402
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="config name or path (model family, base weights, rewards)")
-    ap.add_argument("--checkpoint", action="append", required=True,
-                    help="base, PATH or NAME=PATH (a checkpoints/step-N or diffusers LoRA directory); repeatable")
+    ap.add_argument(
+        "--config", required=True, help="config name or path (model family, base weights, rewards)"
+    )
+    ap.add_argument(
+        "--checkpoint",
+        action="append",
+        required=True,
+        help="base, PATH or NAME=PATH (a checkpoints/step-N or diffusers LoRA directory); repeatable",
+    )
     ap.add_argument("--prompts", help="prompt file (.txt or .jsonl); default: the config's eval prompts")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, help="ODE steps; default: sampling.eval_num_steps")
     ap.add_argument("--rlg-scales", help="comma list of RLG scales, e.g. 0,0.5,1,1.5,2")
     ap.add_argument("--rows-per-page", type=int, default=16)
-    ap.add_argument("--scale", type=int, help="integer pixel zoom of the PNG tiles (default: to about 160 px)")
+    ap.add_argument(
+        "--scale", type=int, help="integer pixel zoom of the PNG tiles (default: to about 160 px)"
+    )
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--out", default="outputs/compare")
     return ap.parse_args(argv)
@@ -55,7 +63,7 @@ def main(argv=None) -> dict:
     except ValueError:
         raise CompareError(f"--rlg-scales must be comma-separated numbers, got '{args.rlg_scales}'") from None
     columns = with_rlg_scales(parse_checkpoints(args.checkpoint), scales)
-    prompts = load_prompts(args.prompts or cfg.data.eval_prompts)[:args.num_prompts]
+    prompts = load_prompts(args.prompts or cfg.data.eval_prompts)[: args.num_prompts]
     reward_fn = MultiReward(cfg.rewards)
     reward_fn.check_prompts(prompts, args.prompts or cfg.data.eval_prompts)
     adapter = build_adapter(cfg.model)
@@ -70,7 +78,13 @@ def main(argv=None) -> dict:
     for i, page in enumerate(pages):
         page.save(out / (f"grid_{i + 1}.png" if len(pages) > 1 else "grid.png"))
     write_jsonl(tiles, out / "scores.jsonl")
-    write_html(tiles, names, sorted({k for t in tiles for k in t.scores}), out / "index.html", f"{cfg.run_name}: {', '.join(names)}")
+    write_html(
+        tiles,
+        names,
+        sorted({k for t in tiles for k in t.scores}),
+        out / "index.html",
+        f"{cfg.run_name}: {', '.join(names)}",
+    )
     print(f"wrote {len(pages)} PNG page(s), index.html and scores.jsonl to {out}")
     return {"tiles": tiles, "pages": len(pages), "out": out}
 

@@ -44,7 +44,9 @@ def main(argv=None) -> int:
     for key in sorted(metrics):
         print(f"{key:<{width}}{metrics[key]:.4g}")
     if args.json:
-        args.json.write_text(json.dumps({"checkpoint": args.checkpoint, "overrides": args.overrides, **metrics}, indent=1))
+        args.json.write_text(
+            json.dumps({"checkpoint": args.checkpoint, "overrides": args.overrides, **metrics}, indent=1)
+        )
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pretrain the ShapeWorld toy model with flow matching (see diffrl/toy/pretrain.py).
 
-    python scripts/pretrain_toy.py --steps 4000 --out assets/toy_model
+python scripts/pretrain_toy.py --steps 4000 --out assets/toy_model
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from diffrl.toy.pretrain import PretrainConfig, pretrain
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     types = {"int": int, "float": float}  # every other field is a string (or None)
     for f in dataclasses.fields(PretrainConfig):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=types.get(f.type, str), default=f.default)

@@ -32,7 +32,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else SHIPPED
     if not (path / "model_index.json").is_file():
-        print(f"error: --model '{path}' is not a saved toy model (no model_index.json there)", file=sys.stderr)
+        print(
+            f"error: --model '{path}' is not a saved toy model (no model_index.json there)", file=sys.stderr
+        )
         return 2
     pipe = ToyPipeline.from_pretrained(path)
     prompts = probe.relation_prompts(args.prompts, args.n)
@@ -41,8 +43,10 @@ def main(argv=None) -> int:
     for relation, row in probe.sample_placement(pipe, prompts).items():
         print(f"{relation:<18}{row['n']:>4}  {row['b_right_of_a']:>17.2f}  {row['b_below_a']:>14.2f}")
     moved = probe.sensitivity(pipe, prompts)
-    print(f"output change (sigma 0.8): relation word left -> right {moved['relation_word']:.5f}, "
-          f"first colour {moved['first_colour']:.5f}")
+    print(
+        f"output change (sigma 0.8): relation word left -> right {moved['relation_word']:.5f}, "
+        f"first colour {moved['first_colour']:.5f}"
+    )
     return 0
 
 

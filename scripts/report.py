@@ -36,7 +36,9 @@ class ReportError(ValueError):
 def load_run(path: Path) -> list[dict]:
     metrics = Path(path) / "metrics.jsonl"
     if not metrics.is_file():
-        raise ReportError(f"'{path}' has no metrics.jsonl; pass a run directory (output_dir of a training run)")
+        raise ReportError(
+            f"'{path}' has no metrics.jsonl; pass a run directory (output_dir of a training run)"
+        )
     from diffrl.training.metrics import read_metrics
 
     return read_metrics(metrics, warn=print)
@@ -49,40 +51,64 @@ def headline(rows: list[dict]) -> str | None:
 
 
 def series(runs: dict[str, list[dict]], key: str, x: str = "step"):
-    return [(name, [r[x] for r in rows if r.get(key) is not None], [r[key] for r in rows if r.get(key) is not None])
-            for name, rows in runs.items()]
+    return [
+        (
+            name,
+            [r[x] for r in rows if r.get(key) is not None],
+            [r[key] for r in rows if r.get(key) is not None],
+        )
+        for name, rows in runs.items()
+    ]
 
 
 def build_panels(runs: dict[str, list[dict]]):
     main = next((headline(rows) for rows in runs.values() if headline(rows)), None)
-    specs = [("reward/mean", "step", series(runs, "reward/mean")),
-             ("reward/mean vs wall time", "seconds", series(runs, "reward/mean", "wall_time"))]
+    specs = [
+        ("reward/mean", "step", series(runs, "reward/mean")),
+        ("reward/mean vs wall time", "seconds", series(runs, "reward/mean", "wall_time")),
+    ]
     if main:
-        specs += [(f"{main} (held out)", "step", series(runs, main)),
-                  (f"{main} vs wall time", "seconds", series(runs, main, "wall_time"))]
+        specs += [
+            (f"{main} (held out)", "step", series(runs, main)),
+            (f"{main} vs wall time", "seconds", series(runs, main, "wall_time")),
+        ]
     for key in ("kl", "approx_kl", "clipfrac", "eval/diversity", "solrl/kendall_tau", "solrl/spearman_rho"):
         if any(key in r for rows in runs.values() for r in rows):
             specs.append((key, "step", series(runs, key)))
     for name, rows in runs.items():
         present = [k for k in STAGES if any(k in r for r in rows)]
         if present:
-            specs.append((f"stage seconds: {name}", "step",
-                          [(k.removeprefix("time/"), *series({name: rows}, k)[0][1:]) for k in present]))
+            specs.append(
+                (
+                    f"stage seconds: {name}",
+                    "step",
+                    [(k.removeprefix("time/"), *series({name: rows}, k)[0][1:]) for k in present],
+                )
+            )
     return specs, main
 
 
 def summary(runs: dict[str, list[dict]], main: str | None) -> str:
-    lines = ["| run | iterations | wall time (min) | reward first -> last 10 | "
-             f"{main or 'held-out'} first -> last (best) | mean s per stage |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| run | iterations | wall time (min) | reward first -> last 10 | "
+        f"{main or 'held-out'} first -> last (best) | mean s per stage |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, rows in runs.items():
         train = [r for r in rows if "reward/mean" in r]
         evals = [r[main] for r in rows if main and r.get(main) is not None]
         reward = ([r["reward/mean"] for r in train[:10]], [r["reward/mean"] for r in train[-10:]])
-        stages = ", ".join(f"{k.removeprefix('time/')} {statistics.mean(r[k] for r in train if k in r):.2f}"
-                           for k in STAGES if any(k in r for r in train))
+        stages = ", ".join(
+            f"{k.removeprefix('time/')} {statistics.mean(r[k] for r in train if k in r):.2f}"
+            for k in STAGES
+            if any(k in r for r in train)
+        )
         rw = f"{statistics.mean(reward[0]):.3f} -> {statistics.mean(reward[1]):.3f}" if train else "-"
         ev = f"{evals[0]:.3f} -> {evals[-1]:.3f} ({max(evals):.3f})" if evals else "-"
-        lines.append(f"| {name} | {len(train)} | {rows[-1].get('wall_time', 0) / 60:.1f} | {rw} | {ev} | {stages or '-'} |")
+        lines.append(
+            f"| {name} | {len(train)} | {rows[-1].get('wall_time', 0) / 60:.1f} | {rw} | {ev} | "
+            f"{stages or '-'} |"
+        )
     return "\n".join(lines) + "\n"
 
 

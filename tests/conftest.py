@@ -14,9 +14,17 @@ def tiny_cfg(tmp_path):
     from diffrl.config import load_config
 
     def make(family="flux", *overrides):
-        return load_config(f"tiny_{family}_flowgrpo", [f"output_dir={tmp_path / family}", "train.max_steps=2",
-                                                       "eval.every=0", "checkpoint.every=0",
-                                                       "logging.progress_bar=false", *overrides])
+        return load_config(
+            f"tiny_{family}_flowgrpo",
+            [
+                f"output_dir={tmp_path / family}",
+                "train.max_steps=2",
+                "eval.every=0",
+                "checkpoint.every=0",
+                "logging.progress_bar=false",
+                *overrides,
+            ],
+        )
 
     return make
 

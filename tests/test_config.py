@@ -56,8 +56,10 @@ def test_bad_choice_lists_valid_choices(tmp_path):
 
 
 def test_overrides_apply_with_yaml_types(tmp_path):
-    cfg = load_config(_write(tmp_path, "run_name: x\n"), ["train.max_steps=7", "optim.lr=1e-5",
-                                                          "model.lora.target_modules=[to_q, to_k]"])
+    cfg = load_config(
+        _write(tmp_path, "run_name: x\n"),
+        ["train.max_steps=7", "optim.lr=1e-5", "model.lora.target_modules=[to_q, to_k]"],
+    )
     assert cfg.train.max_steps == 7 and cfg.optim.lr == pytest.approx(1e-5)
     assert cfg.model.lora.target_modules == ["to_q", "to_k"]
 
@@ -89,12 +91,17 @@ def test_every_field_has_help():
 
 
 def test_set_errors_name_the_set_not_the_config_file():
-    with pytest.raises(ConfigError, match=r"^--set train.max_stepz: unknown key 'train.max_stepz'\. "
-                                          r"Did you mean 'train.max_steps'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--set train.max_stepz: unknown key 'train.max_stepz'\. "
+        r"Did you mean 'train.max_steps'\?",
+    ):
         load_config("tiny_flux_flowgrpo", ["train.max_stepz=3"])
     with pytest.raises(ConfigError, match=r"^--set train.max_steps=abc: expected int, got str 'abc'$"):
         load_config("tiny_flux_flowgrpo", ["train.max_steps=abc"])
-    with pytest.raises(ConfigError, match=r"^--set rewards: the value '\[\{name: x' is not valid YAML .*quotes"):
+    with pytest.raises(
+        ConfigError, match=r"^--set rewards: the value '\[\{name: x' is not valid YAML .*quotes"
+    ):
         load_config("tiny_flux_flowgrpo", ["rewards=[{name: x"])
     # below a free-form mapping any key is allowed (a reward's args are checked by the reward)
     cfg = load_config("tiny_flux_flowgrpo", ["rewards=[{name: jpeg_compressibility, args: {quality: 80}}]"])
@@ -104,8 +111,11 @@ def test_set_errors_name_the_set_not_the_config_file():
 def test_bad_reward_args_are_one_error_that_names_the_valid_ones():
     import rewards
 
-    with pytest.raises(rewards.RewardArgsError, match="reward 'shapeworld' has no argument 'scor'. Did you mean "
-                                                      "'score'.*Its arguments: score, fg_threshold"):
+    with pytest.raises(
+        rewards.RewardArgsError,
+        match="reward 'shapeworld' has no argument 'scor'. Did you mean "
+        "'score'.*Its arguments: score, fg_threshold",
+    ):
         rewards.build("shapeworld", scor="strict")
     with pytest.raises(rewards.RewardArgsError, match="reward 'shapeworld', args .*score must be 'partial'"):
         rewards.build("shapeworld", score="bogus")
@@ -114,8 +124,11 @@ def test_bad_reward_args_are_one_error_that_names_the_valid_ones():
 def test_the_cli_prints_bad_reward_args_and_bad_set_values_as_one_line(tmp_path, capsys):
     from diffrl.cli import main
 
-    for extra, words in ((["rewards=[{name: shapeworld, args: {score: bogus}}]"], "score must be"),
-                         (["rewards=[{name: x"], "not valid YAML"), (["optim.lrr=1"], "unknown key 'optim.lrr'")):
+    for extra, words in (
+        (["rewards=[{name: shapeworld, args: {score: bogus}}]"], "score must be"),
+        (["rewards=[{name: x"], "not valid YAML"),
+        (["optim.lrr=1"], "unknown key 'optim.lrr'"),
+    ):
         args = ["--config", "tiny_toy_flowgrpo", "--set", f"output_dir={tmp_path / 'r'}"]
         for o in extra:
             args += ["--set", o]
@@ -128,9 +141,11 @@ def test_dry_run_checks_reward_names_arguments_and_prompt_files_without_loading_
     from diffrl.cli import main
 
     base = ["--config", "tiny_flux_flowgrpo", "--dry-run"]
-    for override, words in (("rewards=[{name: pickscor}]", "Did you mean 'pickscore'"),
-                            ("rewards=[{name: hpsv21, args: {checkpont: x.pt}}]", "has no argument 'checkpont'"),
-                            ("data.train_prompts=nope.txt", "'nope.txt' does not exist")):
+    for override, words in (
+        ("rewards=[{name: pickscor}]", "Did you mean 'pickscore'"),
+        ("rewards=[{name: hpsv21, args: {checkpont: x.pt}}]", "has no argument 'checkpont'"),
+        ("data.train_prompts=nope.txt", "'nope.txt' does not exist"),
+    ):
         assert main(base + ["--set", override]) == 2
         assert words in capsys.readouterr().err
     # a model reward whose weights are not here still passes a dry run: nothing is loaded

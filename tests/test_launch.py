@@ -13,8 +13,18 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--cpu",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 # `accelerate launch --cpu` starts one process; multi-process CPU (gloo) goes through torchrun
 # with ACCELERATE_USE_CPU, which accelerate turns into a MULTI_CPU (DDP over gloo) state.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
@@ -31,9 +41,22 @@ def _rows(run_dir):
 
 @pytest.mark.slow
 def test_accelerate_launch_two_steps(tmp_path):
-    out = _run(LAUNCH + ["--num_processes", "1", "scripts/train.py", "--config", "tiny_flux_flowgrpo.yaml",
-                         "--set", "train.max_steps=2", "--set", f"output_dir={tmp_path}",
-                         "--set", "logging.trackers=[tensorboard]"])
+    out = _run(
+        LAUNCH
+        + [
+            "--num_processes",
+            "1",
+            "scripts/train.py",
+            "--config",
+            "tiny_flux_flowgrpo.yaml",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            f"output_dir={tmp_path}",
+            "--set",
+            "logging.trackers=[tensorboard]",
+        ]
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
@@ -49,14 +72,22 @@ def test_dry_run_prints_plan_and_builds_nothing(tmp_path):
     assert "samples_per_iteration                    1152" in out.stdout
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--config", "no_such_config"], "Shipped configs:"),
-    (["--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"], "--set train.max_stepz: unknown key 'train.max_stepz'. Did you mean 'train.max_steps'"),
-    (["--config", "tiny_flux_flowgrpo", "--set", "rewards=[{name: hpsv9}]"], "unknown reward 'hpsv9'"),
-    (["--config", "tiny_flux_flowgrpo", "--set", "data.train_prompts=missing.txt"], "does not exist"),
-    (["--config", "tiny_flux_flowgrpo", "--resume", "latest", "--set", "output_dir=/nonexistent/x"],
-     "no checkpoints under"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--config", "no_such_config"], "Shipped configs:"),
+        (
+            ["--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"],
+            "--set train.max_stepz: unknown key 'train.max_stepz'. Did you mean 'train.max_steps'",
+        ),
+        (["--config", "tiny_flux_flowgrpo", "--set", "rewards=[{name: hpsv9}]"], "unknown reward 'hpsv9'"),
+        (["--config", "tiny_flux_flowgrpo", "--set", "data.train_prompts=missing.txt"], "does not exist"),
+        (
+            ["--config", "tiny_flux_flowgrpo", "--resume", "latest", "--set", "output_dir=/nonexistent/x"],
+            "no checkpoints under",
+        ),
+    ],
+)
 def test_cli_errors_are_one_clear_line(args, expected):
     out = _run([sys.executable, "scripts/train.py", *args])
     assert out.returncode == 2
@@ -68,16 +99,48 @@ def test_cli_errors_are_one_clear_line(args, expected):
 def test_two_gloo_processes_match_one_process(tmp_path):
     """One group of 4 split over 2 processes is normalised over the whole group: rewards,
     their std and the updated weights equal the 1-process run over the same samples."""
-    common = ["scripts/train.py", "--config", "tiny_flux_flowgrpo", "--set", "train.max_steps=1",
-              "--set", "rollout.prompts_per_step=1", "--set", "rollout.group_size=4",
-              "--set", "checkpoint.every=1"]
-    one = _run(TORCHRUN + ["1", *common, "--set", "train.micro_batch_size=4",
-                         "--set", "train.gradient_accumulation=1", "--set", f"output_dir={tmp_path / 'one'}"],
-               ACCELERATE_USE_CPU="true")
+    common = [
+        "scripts/train.py",
+        "--config",
+        "tiny_flux_flowgrpo",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "rollout.prompts_per_step=1",
+        "--set",
+        "rollout.group_size=4",
+        "--set",
+        "checkpoint.every=1",
+    ]
+    one = _run(
+        TORCHRUN
+        + [
+            "1",
+            *common,
+            "--set",
+            "train.micro_batch_size=4",
+            "--set",
+            "train.gradient_accumulation=1",
+            "--set",
+            f"output_dir={tmp_path / 'one'}",
+        ],
+        ACCELERATE_USE_CPU="true",
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _run(TORCHRUN + ["2", *common, "--set", "train.micro_batch_size=2",
-                         "--set", "train.gradient_accumulation=1", "--set", f"output_dir={tmp_path / 'two'}"],
-               ACCELERATE_USE_CPU="true")
+    two = _run(
+        TORCHRUN
+        + [
+            "2",
+            *common,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.gradient_accumulation=1",
+            "--set",
+            f"output_dir={tmp_path / 'two'}",
+        ],
+        ACCELERATE_USE_CPU="true",
+    )
     assert "processes                                2" in two.stdout, "the run did not start 2 processes"
     assert two.returncode == 0, two.stderr[-3000:]
     r1, r2 = _rows(tmp_path / "one")[-1], _rows(tmp_path / "two")[-1]
@@ -96,13 +159,30 @@ def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
     one optimizer step, edge-weighted loss: DDP's mean of per-process means is the mean).
     One row per rollout forward in both runs: batching 2 trees or 1 moves latents by ~5e-7,
     enough to flip a pixel's rounding and the JPEG reward."""
-    common = ["scripts/train.py", "--config", "tiny_flux_branchgrpo", "--set", "train.max_steps=1",
-              "--set", "checkpoint.every=1", "--set", "train.gradient_accumulation=1", "--set", "rollout.batch_size=1"]
-    one = _run(TORCHRUN + ["1", *common, "--set", "train.micro_batch_size=16", "--set", f"output_dir={tmp_path / 'one'}"],
-               ACCELERATE_USE_CPU="true")
+    common = [
+        "scripts/train.py",
+        "--config",
+        "tiny_flux_branchgrpo",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "train.gradient_accumulation=1",
+        "--set",
+        "rollout.batch_size=1",
+    ]
+    one = _run(
+        TORCHRUN
+        + ["1", *common, "--set", "train.micro_batch_size=16", "--set", f"output_dir={tmp_path / 'one'}"],
+        ACCELERATE_USE_CPU="true",
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _run(TORCHRUN + ["2", *common, "--set", "train.micro_batch_size=8", "--set", f"output_dir={tmp_path / 'two'}"],
-               ACCELERATE_USE_CPU="true")
+    two = _run(
+        TORCHRUN
+        + ["2", *common, "--set", "train.micro_batch_size=8", "--set", f"output_dir={tmp_path / 'two'}"],
+        ACCELERATE_USE_CPU="true",
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "processes                                2" in two.stdout, "the run did not start 2 processes"
     r1, r2 = _rows(tmp_path / "one")[-1], _rows(tmp_path / "two")[-1]
@@ -121,11 +201,24 @@ def test_two_gloo_processes_run_solrl_sub_trees_of_different_shapes(tmp_path):
     depend on its own selection, so node counts and per-step edge counts differ between
     processes. Gathers are ragged-safe and passes are padded to a common structure, so the
     run finishes (instead of hanging in a collective) and its rollouts equal one process's."""
-    common = ["scripts/train.py", "--config", "tiny_flux_solrl", "--set", "train.max_steps=2",
-              "--set", "rollout.batch_size=1", "--set", "rollout.prompts_per_step=4"]
-    one = _run(TORCHRUN + ["1", *common, "--set", f"output_dir={tmp_path / 'one'}"], ACCELERATE_USE_CPU="true")
+    common = [
+        "scripts/train.py",
+        "--config",
+        "tiny_flux_solrl",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "rollout.batch_size=1",
+        "--set",
+        "rollout.prompts_per_step=4",
+    ]
+    one = _run(
+        TORCHRUN + ["1", *common, "--set", f"output_dir={tmp_path / 'one'}"], ACCELERATE_USE_CPU="true"
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _run(TORCHRUN + ["2", *common, "--set", f"output_dir={tmp_path / 'two'}"], ACCELERATE_USE_CPU="true")
+    two = _run(
+        TORCHRUN + ["2", *common, "--set", f"output_dir={tmp_path / 'two'}"], ACCELERATE_USE_CPU="true"
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     r1, r2 = _rows(tmp_path / "one")[0], _rows(tmp_path / "two")[0]
     for key in ("reward/mean", "solrl/pool_reward_mean", "rollout/nfe", "tree/edges"):
@@ -142,12 +235,23 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     dry = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--dry-run"])
     assert dry.returncode == 0, dry.stderr
     assert "solrl_explore_nfe_per_iteration          3248" in dry.stdout  # 16 trees x 203 NFE
-    start = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml",
-                  "--set", f"output_dir={tmp_path}"])
+    start = _run(
+        [sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--set", f"output_dir={tmp_path}"]
+    )
     assert start.returncode == 2 and "Traceback" not in start.stderr
     assert "hpsv21: weights not found" in start.stderr and "hf download xswu/HPSv2" in start.stderr
-    model = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--set", f"output_dir={tmp_path}",
-                  "--set", "rewards=[{name: jpeg_compressibility}]"])
+    model = _run(
+        [
+            sys.executable,
+            "scripts/train.py",
+            "--config",
+            "flux_solrl.yaml",
+            "--set",
+            f"output_dir={tmp_path}",
+            "--set",
+            "rewards=[{name: jpeg_compressibility}]",
+        ]
+    )
     assert model.returncode == 2 and "Traceback" not in model.stderr
     assert "could not load FluxPipeline from 'black-forest-labs/FLUX.1-dev'" in model.stderr
     assert "model.pretrained: DIR" in model.stderr
@@ -156,9 +260,28 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
 def test_under_accelerate_launch_q_our_error_is_the_last_line():
     """accelerate launch adds its own CalledProcessError traceback when the script fails;
     with -q (what the README uses) the user's last line is ours."""
-    out = _run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--cpu", "--num_processes", "1",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "scripts/train.py", "--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"])
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "-q",
+            "--cpu",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "scripts/train.py",
+            "--config",
+            "tiny_flux_flowgrpo",
+            "--set",
+            "train.max_stepz=2",
+        ]
+    )
     assert out.returncode != 0
     last = [line for line in out.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("error: --set train.max_stepz: unknown key") and "Traceback" not in out.stderr

@@ -22,8 +22,10 @@ def _imports(path: Path) -> set[str]:
 def test_rewards_never_imports_diffrl():
     """diffrl uses rewards (the trainer scores with them); rewards stands alone, so a reward
     can be benchmarked or served without the training stack."""
-    offenders = {str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.split(".")[0] == "diffrl")
-                 for p in (ROOT / "rewards").rglob("*.py")}
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.split(".")[0] == "diffrl")
+        for p in (ROOT / "rewards").rglob("*.py")
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -35,5 +37,7 @@ def test_diffrl_keeps_a_short_flat_top_level():
 def test_every_source_package_has_a_test_directory():
     """diffrl/X is tested in tests/X, rewards/X in tests/rewards/X."""
     expected = [Path("tests") / p.name for p in (ROOT / "diffrl").iterdir() if (p / "__init__.py").is_file()]
-    expected += [Path("tests/rewards") / p.name for p in (ROOT / "rewards").iterdir() if (p / "__init__.py").is_file()]
+    expected += [
+        Path("tests/rewards") / p.name for p in (ROOT / "rewards").iterdir() if (p / "__init__.py").is_file()
+    ]
     assert [str(t) for t in expected if not (ROOT / t).is_dir()] == []

@@ -11,19 +11,30 @@ from diffrl.config import load_config
 from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
 
-REAL = ["flux_flowgrpo", "flux_branchgrpo", "flux_solrl", "sd35_flowgrpo", "sd35_solrl", "sana_solrl",
-        "wan_branchgrpo"]
+REAL = [
+    "flux_flowgrpo",
+    "flux_branchgrpo",
+    "flux_solrl",
+    "sd35_flowgrpo",
+    "sd35_solrl",
+    "sana_solrl",
+    "wan_branchgrpo",
+]
 
 
 @pytest.mark.parametrize("name", REAL)
 def test_real_config_runs_one_iteration_on_its_tiny_twin(name, tmp_path):
     real = load_config(name)
-    cfg = load_config(name, tiny_twin_overrides(real) + [f"output_dir={tmp_path}", "logging.progress_bar=false"])
+    cfg = load_config(
+        name, tiny_twin_overrides(real) + [f"output_dir={tmp_path}", "logging.progress_bar=false"]
+    )
     # the algorithm is the real config's
     for section in ("sampling", "tree", "solrl", "objective", "advantage"):
         assert getattr(cfg, section) == getattr(real, section), section
     assert (cfg.rollout.group_size, cfg.rollout.strategy) == (real.rollout.group_size, real.rollout.strategy)
-    assert len(cfg.rewards) == len(real.rewards) and [r.weight for r in cfg.rewards] == [r.weight for r in real.rewards]
+    assert len(cfg.rewards) == len(real.rewards) and [r.weight for r in cfg.rewards] == [
+        r.weight for r in real.rewards
+    ]
     history = Trainer(cfg).fit()
     row = history[-1]
     assert torch.isfinite(torch.tensor(row["loss"])) and row["optimizer_steps"] >= 1
@@ -49,7 +60,8 @@ def test_full_size_dry_run_keeps_the_real_plan(name, capsys):
     printed = capsys.readouterr().out
     nfe = derive(load_config(name))["rollout_nfe_per_iteration"]
     assert f"rollout_nfe_per_iteration {nfe:g}".split() == next(
-        line.split() for line in printed.splitlines() if line.strip().startswith("rollout_nfe_per_iteration"))
+        line.split() for line in printed.splitlines() if line.strip().startswith("rollout_nfe_per_iteration")
+    )
 
 
 def test_tiny_twin_and_full_size_exclude_each_other(capsys):

@@ -29,12 +29,14 @@ def load(name: str) -> dict:
 
 def tensor(values) -> torch.Tensor:
     """Nested lists of floats, float.hex() strings or 'inf'/'nan' strings."""
+
     def conv(v):
         if isinstance(v, list):
             return [conv(u) for u in v]
         if isinstance(v, str):
             return float.fromhex(v) if v.lstrip("-").startswith("0x") else float(v)
         return v
+
     return torch.tensor(conv(values), dtype=torch.float64)
 
 
@@ -75,7 +77,9 @@ def test_cps_step_matches_flow_grpo_under_its_log_prob_convention(i):
     # the true density's log-ratio is flow_grpo's divided by 2 std^2
     density = step("cps", X, V, ref["sigma"], ref["sigma_next"], a, next_latents=PREV, reduction="mean")
     const = torch.log(ours.std) + 0.5 * math.log(2 * math.pi)
-    torch.testing.assert_close(ours.log_prob, 2 * ours.std**2 * (density.log_prob + const), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        ours.log_prob, 2 * ours.std**2 * (density.log_prob + const), rtol=1e-5, atol=1e-6
+    )
     ref_mean = step("cps", X, 0.9 * V, ref["sigma"], ref["sigma_next"], a).mean
     kl = gaussian_kl(ours.mean, ref_mean, ours.std, ours.std_t, "flow_grpo")
     torch.testing.assert_close(kl.double(), tensor(ref["kl_loss_per_sample"]), atol=1e-12, rtol=1e-5)
@@ -137,9 +141,18 @@ def test_split_noise_draw_mode_is_branchgrpos_split_step():
     assert spec.noise_levels(eta)[t] == eta and spec.draw_scales()[t] == scale  # only the draw is scaled
     x, v = tensor(inp["x"]).float(), tensor(inp["v"]).float()
     eps = torch.cat([tensor(inp["eps_split0"]), tensor(inp["eps_split1"])]).float()
-    ours = step("dance", x.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1), inp["sigma"], inp["sigma_next"],
-                spec.noise_levels(eta)[t], noise=spec.draw_scales()[t] * eps)
-    torch.testing.assert_close(ours.next_latents, tensor(out["split_next_latents"]).float(), atol=1e-6, rtol=1e-6)
+    ours = step(
+        "dance",
+        x.repeat(2, 1, 1, 1),
+        v.repeat(2, 1, 1, 1),
+        inp["sigma"],
+        inp["sigma_next"],
+        spec.noise_levels(eta)[t],
+        noise=spec.draw_scales()[t] * eps,
+    )
+    torch.testing.assert_close(
+        ours.next_latents, tensor(out["split_next_latents"]).float(), atol=1e-6, rtol=1e-6
+    )
     torch.testing.assert_close(ours.log_prob, tensor(out["split_log_prob"]).float(), atol=1e-5, rtol=1e-6)
     level = TreeSpec.build(20, [t], [2], scale, "level")  # ours: a proper SDE step at 4x the noise level
     assert level.noise_levels(eta)[t] == pytest.approx(eta * scale) and level.draw_scales()[t] == 1.0
@@ -156,14 +169,22 @@ def _fixture_tree(case):
 def _reference_node_values(tree, case) -> torch.Tensor:
     """The fixture's depth-wise advantages, laid out on our nodes (0 at the root)."""
     table = case["reference_depthwise_advantages"]["values"]
-    return torch.tensor([table[k][d - 1][j] if d > 0 else 0.0 for k, d, j in
-                         zip(tree.tree.tolist(), tree.depth.tolist(), tree.ordinal.tolist())])
+    return torch.tensor(
+        [
+            table[k][d - 1][j] if d > 0 else 0.0
+            for k, d, j in zip(tree.tree.tolist(), tree.depth.tolist(), tree.ordinal.tolist())
+        ]
+    )
 
 
 def _kept_post_split(tree, train) -> set[tuple[int, int, int]]:
     after = (tree.depth - 1 > tree.spec.last_split) & train
-    return {(k, d - 1, j) for k, d, j in zip(tree.tree[after].tolist(), tree.depth[after].tolist(),
-                                             tree.ordinal[after].tolist())}
+    return {
+        (k, d - 1, j)
+        for k, d, j in zip(
+            tree.tree[after].tolist(), tree.depth[after].tolist(), tree.ordinal[after].tolist()
+        )
+    }
 
 
 @pytest.mark.parametrize("case", range(3))
@@ -189,11 +210,14 @@ def test_depthwise_advantages_match_branchgrpo_with_the_sample_std_option(case):
     fixture = BRANCH["pruning"][case]
     tree = _fixture_tree(fixture)
     leaf_rewards = torch.tensor(fixture["inputs"]["leaf_rewards"]).flatten()
-    cfg = SimpleNamespace(tree=tree_cfg(), advantage=SimpleNamespace(estimator="group", eps=1e-8, std="sample",
-                                                                     filter_zero_std=False))
+    cfg = SimpleNamespace(
+        tree=tree_cfg(),
+        advantage=SimpleNamespace(estimator="group", eps=1e-8, std="sample", filter_zero_std=False),
+    )
     credit = tree_credit(tree, leaf_rewards, leaf_rewards[:, None], cfg, 0)
-    torch.testing.assert_close(credit.advantages.double(), _reference_node_values(tree, fixture).double(),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        credit.advantages.double(), _reference_node_values(tree, fixture).double(), atol=1e-5, rtol=0
+    )
 
 
 # ----------------------------------------------------------------------------- DiffusionNFT
@@ -210,15 +234,32 @@ def test_nft_loss_matches_the_diffusionnft_training_loop(case):
     x0, noise = tensor(inp["x0_values"]).float(), tensor(inp["noise_values"]).float()
     v, v_old, v_ref = (tensor(inp[k]).float() for k in ("v_theta_values", "v_old_values", "v_ref_values"))
     ref = fix["reference"]
-    ocfg = SimpleNamespace(nft_beta=fix["beta"], adv_clip_max=fix["adv_clip_max"], kl_coef=fix["kl_coef_train_beta"])
+    ocfg = SimpleNamespace(
+        nft_beta=fix["beta"], adv_clip_max=fix["adv_clip_max"], kl_coef=fix["kl_coef_train_beta"]
+    )
     for i, t in enumerate(fix["t"]):  # one pass per sample: a pass has one sigma
         row = slice(i, i + 1)
-        ctx = LossContext(policy_velocity=lambda *_, r=row: v[r], reference_velocity=lambda *_, r=row: v_ref[r],
-                          objective_cfg=ocfg, noise_level=0.0, old_velocity=lambda *_, r=row: v_old[r])
+        ctx = LossContext(
+            policy_velocity=lambda *_, r=row: v[r],
+            reference_velocity=lambda *_, r=row: v_ref[r],
+            objective_cfg=ocfg,
+            noise_level=0.0,
+            old_velocity=lambda *_, r=row: v_old[r],
+        )
         sigma = torch.tensor(t)
-        batch = StepBatch(x_t=(1 - sigma) * x0[row] + sigma * noise[row], x_next=None, sigma=sigma, sigma_next=sigma,
-                          sigma_1=None, kind="ode", old_log_prob=torch.zeros(1),
-                          advantages=torch.tensor(fix["advantages"][i:i + 1]), cond=None, weights=None, x0=x0[row])
+        batch = StepBatch(
+            x_t=(1 - sigma) * x0[row] + sigma * noise[row],
+            x_next=None,
+            sigma=sigma,
+            sigma_next=sigma,
+            sigma_1=None,
+            kind="ode",
+            old_log_prob=torch.zeros(1),
+            advantages=torch.tensor(fix["advantages"][i : i + 1]),
+            cond=None,
+            weights=None,
+            x0=x0[row],
+        )
         loss, stats = nft_loss(ctx, batch)
         expected = ref["per_sample_policy_loss"][i] + fix["kl_coef_train_beta"] * ref["kl_per_sample"][i]
         assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -230,8 +271,10 @@ def test_old_policy_decay_follows_diffusionnfts_schedule_in_optimizer_steps():
 
     fix = NFT["old_policy_decay"]
     param = [torch.nn.Parameter(torch.zeros(1))]
-    for (flat, rate, top), key in [((0, 0.001, 0.5), "reference_decay_type_1_default"),
-                                   ((75, 0.0075, 0.999), "reference_decay_type_2_ocr")]:
+    for (flat, rate, top), key in [
+        ((0, 0.001, 0.5), "reference_decay_type_1_default"),
+        ((75, 0.0075, 0.999), "reference_decay_type_2_ocr"),
+    ]:
         old = OldPolicy(param, flat, rate, top)
         assert [old.decay_at(s) for s in fix["steps"]] == pytest.approx(fix[key], abs=1e-12)
 

@@ -16,5 +16,16 @@ from diffrl.algorithms.objective import (
     register_objective,
 )
 
-__all__ = ["ESTIMATORS", "Advantages", "LossContext", "Objective", "StepBatch", "available_objectives",
-           "compute_advantages", "flow_grpo_loss", "nft_loss", "get_objective", "register_objective"]
+__all__ = [
+    "ESTIMATORS",
+    "Advantages",
+    "LossContext",
+    "Objective",
+    "StepBatch",
+    "available_objectives",
+    "compute_advantages",
+    "flow_grpo_loss",
+    "nft_loss",
+    "get_objective",
+    "register_objective",
+]

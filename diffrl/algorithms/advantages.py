@@ -81,10 +81,16 @@ def _group_normalise(r: torch.Tensor, group_ids: torch.Tensor, eps: float, std_f
     return _scaled(r - _group_stat(r, group_ids, torch.mean), _group_stat(r, group_ids, std_fn), eps)
 
 
-def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "group",
-                       eps: float = 1e-4, filter_zero_std: bool = True,
-                       components: torch.Tensor | None = None,
-                       weights: torch.Tensor | None = None, std: str = "population") -> Advantages:
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    estimator: str = "group",
+    eps: float = 1e-4,
+    filter_zero_std: bool = True,
+    components: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    std: str = "population",
+) -> Advantages:
     """Advantages for N samples.
 
     ``rewards`` (N,) is the combined (weighted) reward; ``components`` (N, K) and
@@ -100,8 +106,9 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator
     if components is not None:
         finite &= torch.isfinite(components.double()).all(dim=1)
     if not bool(finite.all()):
-        return _without_nonfinite_groups(r, group_ids, finite, estimator, eps, filter_zero_std, components, weights,
-                                         std)
+        return _without_nonfinite_groups(
+            r, group_ids, finite, estimator, eps, filter_zero_std, components, weights, std
+        )
     if estimator == "group":
         adv = _group_normalise(r, group_ids, eps, std_fn)
     elif estimator == "global_std":
@@ -113,7 +120,9 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator
             components, weights = r[:, None], torch.ones(1, dtype=torch.float64)
         comps = components.double()
         w = torch.ones(comps.shape[1], dtype=torch.float64) if weights is None else weights.double()
-        summed = sum(w[k] * _group_normalise(comps[:, k], group_ids, eps, std_fn) for k in range(comps.shape[1]))
+        summed = sum(
+            w[k] * _group_normalise(comps[:, k], group_ids, eps, std_fn) for k in range(comps.shape[1])
+        )
         adv = _scaled(summed - summed.mean(), std_fn(summed).expand_as(summed), eps)
     else:
         raise ValueError(f"unknown advantage estimator '{estimator}'; valid: {', '.join(ESTIMATORS)}")
@@ -131,15 +140,24 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator
     return Advantages(adv.float(), keep, n_zero / max(n_groups, 1))
 
 
-def _without_nonfinite_groups(r, group_ids, finite, estimator, eps, filter_zero_std, components, weights,
-                              std) -> Advantages:
+def _without_nonfinite_groups(
+    r, group_ids, finite, estimator, eps, filter_zero_std, components, weights, std
+) -> Advantages:
     bad = torch.unique(group_ids[~finite])
     clean = ~torch.isin(group_ids, bad)
     values = torch.zeros(len(r))
     keep = torch.zeros(len(r), dtype=torch.bool)
     filtered = 0.0
     if bool(clean.any()):
-        sub = compute_advantages(r[clean], group_ids[clean], estimator, eps, filter_zero_std,
-                                 None if components is None else components[clean], weights, std)
+        sub = compute_advantages(
+            r[clean],
+            group_ids[clean],
+            estimator,
+            eps,
+            filter_zero_std,
+            None if components is None else components[clean],
+            weights,
+            std,
+        )
         values[clean], keep[clean], filtered = sub.values, sub.keep, sub.filtered_fraction
     return Advantages(values, keep, filtered, dropped_groups=len(bad), dropped_samples=int((~clean).sum()))

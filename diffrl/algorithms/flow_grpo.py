@@ -35,8 +35,17 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     b = batch.x_t.shape[0]
     sigma_b = batch.sigma.expand(b)
     v = ctx.policy_velocity(batch.x_t, sigma_b, batch.cond)
-    new = step(batch.kind, batch.x_t, v, batch.sigma, batch.sigma_next, level,
-               sigma_1=batch.sigma_1, next_latents=batch.x_next, reduction=ocfg.logprob_reduction)
+    new = step(
+        batch.kind,
+        batch.x_t,
+        v,
+        batch.sigma,
+        batch.sigma_next,
+        level,
+        sigma_1=batch.sigma_1,
+        next_latents=batch.x_next,
+        reduction=ocfg.logprob_reduction,
+    )
     log_ratio = new.log_prob - batch.old_log_prob
     ratio = torch.exp(log_ratio)
     adv = torch.clamp(batch.advantages, -ocfg.adv_clip_max, ocfg.adv_clip_max)
@@ -54,10 +63,23 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         with torch.no_grad():
             v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        ref = step(batch.kind, batch.x_t, v_ref, batch.sigma, batch.sigma_next, level,
-                   sigma_1=batch.sigma_1, next_latents=batch.x_next, reduction=ocfg.logprob_reduction)
-        kl = masked_mean(gaussian_kl(new.mean, ref.mean.detach(), new.std, new.std_t, ocfg.kl_type,
-                                     ocfg.logprob_reduction), w)
+        ref = step(
+            batch.kind,
+            batch.x_t,
+            v_ref,
+            batch.sigma,
+            batch.sigma_next,
+            level,
+            sigma_1=batch.sigma_1,
+            next_latents=batch.x_next,
+            reduction=ocfg.logprob_reduction,
+        )
+        kl = masked_mean(
+            gaussian_kl(
+                new.mean, ref.mean.detach(), new.std, new.std_t, ocfg.kl_type, ocfg.logprob_reduction
+            ),
+            w,
+        )
         loss = loss + ocfg.kl_coef * kl
         stats["kl"] = kl.detach()
     stats["loss"] = loss.detach()

@@ -69,7 +69,9 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     """Negative-aware loss for one forward-noised micro-batch; ``batch.x_t`` is
     (1 - sigma) x0 + sigma eps and ``batch.x0`` the clean latents."""
     if batch.x0 is None or ctx.old_velocity is None:
-        raise ValueError("the nft objective needs clean latents and an old policy (the updater provides both)")
+        raise ValueError(
+            "the nft objective needs clean latents and an old policy (the updater provides both)"
+        )
     ocfg = ctx.objective_cfg
     beta, clip = ocfg.nft_beta, ocfg.adv_clip_max
     b = batch.x_t.shape[0]
@@ -86,8 +88,12 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     r = optimality_probability(batch.advantages.to(v.dtype), clip)
     w = batch.weights
     policy_loss = masked_mean((r * loss_pos + (1 - r) * loss_neg) * clip / beta, w)
-    stats = {"policy_loss": policy_loss.detach(), "nft/positive_loss": masked_mean(loss_pos.detach(), w),
-             "nft/negative_loss": masked_mean(loss_neg.detach(), w), "nft/r": masked_mean(r.detach(), w)}
+    stats = {
+        "policy_loss": policy_loss.detach(),
+        "nft/positive_loss": masked_mean(loss_pos.detach(), w),
+        "nft/negative_loss": masked_mean(loss_neg.detach(), w),
+        "nft/r": masked_mean(r.detach(), w),
+    }
     loss = policy_loss
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         with torch.no_grad():

@@ -59,7 +59,9 @@ class LossContext:
     reference_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None
     objective_cfg: object
     noise_level: float
-    old_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None = None  # NFT's old policy
+    old_velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor] | None = (
+        None  # NFT's old policy
+    )
 
 
 @dataclass(frozen=True)

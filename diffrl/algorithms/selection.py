@@ -36,7 +36,7 @@ SELECTION_MODES = ("best_worst", "max_variance", "random")
 def _extremes(order: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
     """The first ``top`` and last ``bottom`` entries of a descending order."""
     n = order.shape[-1]
-    return torch.cat([order[..., :top], order[..., n - bottom:]], -1)
+    return torch.cat([order[..., :top], order[..., n - bottom :]], -1)
 
 
 def _best_worst(rewards: torch.Tensor, k: int) -> torch.Tensor:
@@ -60,8 +60,10 @@ def _max_variance(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _random(rewards: torch.Tensor, k: int, key: tuple) -> torch.Tensor:
-    rows = [torch.randperm(rewards.shape[1], generator=rng.generator(*key, "select", g))[:k]
-            for g in range(rewards.shape[0])]
+    rows = [
+        torch.randperm(rewards.shape[1], generator=rng.generator(*key, "select", g))[:k]
+        for g in range(rewards.shape[0])
+    ]
     return torch.stack(rows)
 
 

@@ -65,8 +65,9 @@ class SolRLStage:
         if sol.precision != "bf16":  # the control explores with the policy itself
             from diffrl.quant.backends import build_exploration_copy
 
-            self.copy = build_exploration_copy(transformer, cfg.model.family, sol.precision, sol.backend,
-                                               sol.keep_high, log=log)
+            self.copy = build_exploration_copy(
+                transformer, cfg.model.family, sol.precision, sol.backend, sol.keep_high, log=log
+            )
         else:
             log("solrl: exploring with the policy itself (precision bf16, the control)")
         self.stale = True
@@ -108,11 +109,21 @@ class SolRLStage:
             return regenerate_subtree(adapter, transformer, cond, pool, flat, self.cfg), cond
         sel = flat.tolist()
         picked = cond.select(sel)
-        return rollout_independent(adapter, transformer, picked, [keys[i] for i in sel], self.cfg,
-                                   iteration=iteration), picked
+        return rollout_independent(
+            adapter, transformer, picked, [keys[i] for i in sel], self.cfg, iteration=iteration
+        ), picked
 
-    def run(self, adapter, transformer, cond, prompts: list[str], keys: list[tuple], iteration: int,
-            autocast=None, rollout_model=None) -> SolRLRollout:
+    def run(
+        self,
+        adapter,
+        transformer,
+        cond,
+        prompts: list[str],
+        keys: list[tuple],
+        iteration: int,
+        autocast=None,
+        rollout_model=None,
+    ) -> SolRLRollout:
         """One two-stage rollout over this process's whole prompt groups (``keys`` lists
         ``pool_size`` consecutive candidates per prompt). ``transformer`` is the policy the
         copy syncs from; ``rollout_model`` (default: it) runs the regeneration."""
@@ -140,9 +151,13 @@ class SolRLStage:
         low = pool_total.reshape(-1)[flat].reshape(groups, k).cpu()
         agree = rank_agreement(low, total.reshape(groups, k).cpu())
         metrics = {
-            "solrl/kendall_tau": agree["kendall_tau"], "solrl/spearman_rho": agree["spearman_rho"],
-            "solrl/pool_reward_mean": float(pool_total.mean()), "solrl/selected_pool_reward_mean": float(low.mean()),
-            "solrl/explore_nfe": pool.nfe, "solrl/regenerate_nfe": traj.nfe, "solrl/syncs": self.syncs,
+            "solrl/kendall_tau": agree["kendall_tau"],
+            "solrl/spearman_rho": agree["spearman_rho"],
+            "solrl/pool_reward_mean": float(pool_total.mean()),
+            "solrl/selected_pool_reward_mean": float(low.mean()),
+            "solrl/explore_nfe": pool.nfe,
+            "solrl/regenerate_nfe": traj.nfe,
+            "solrl/syncs": self.syncs,
             **clock.metrics,
         }
         return SolRLRollout(traj, train_cond, sel_prompts, total, comps, logs, chosen, metrics)

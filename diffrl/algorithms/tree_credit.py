@@ -48,7 +48,9 @@ import torch
 from diffrl.algorithms.advantages import compute_advantages
 
 
-def fuse_rewards(tree, leaf_values: torch.Tensor, mode: str = "mean", temperature: float = 1.0) -> torch.Tensor:
+def fuse_rewards(
+    tree, leaf_values: torch.Tensor, mode: str = "mean", temperature: float = 1.0
+) -> torch.Tensor:
     """Node values (N, K) from leaf values (L, K) in leaf order, bottom-up along ``parent``
     (so an irregular tree, such as a Sol-RL regenerated sub-tree, works too)."""
     if mode not in ("mean", "prob_weighted"):
@@ -93,7 +95,9 @@ def depth_pruned_steps(tree_cfg, iteration: int) -> set[int]:
         return set()
     shift = 0
     if tree_cfg.depth_pruning_slide_every > 0:
-        shift = min(iteration // tree_cfg.depth_pruning_slide_every, max(0, steps[0] - tree_cfg.depth_pruning_stop))
+        shift = min(
+            iteration // tree_cfg.depth_pruning_slide_every, max(0, steps[0] - tree_cfg.depth_pruning_stop)
+        )
     return {s - shift for s in steps}
 
 
@@ -119,7 +123,7 @@ def width_kept_leaves(tree, leaf_rewards: torch.Tensor, mode: str, fraction: flo
     rows = torch.arange(groups.shape[0]).unsqueeze(1)
     chosen[rows, order[:, :best]] = True
     if worst:
-        chosen[rows, order[:, size - worst:]] = True
+        chosen[rows, order[:, size - worst :]] = True
     return chosen.flatten()
 
 
@@ -132,12 +136,17 @@ def _chain_prefix(candidates: torch.Tensor, chain: torch.Tensor, step_of: torch.
     for c in torch.unique(chain[candidates]).tolist():
         idx = torch.nonzero(candidates & (chain == c)).flatten()
         idx = idx[torch.argsort(step_of[idx], stable=True)]
-        kept[idx[:max(1, int(len(idx) * fraction))]] = True
+        kept[idx[: max(1, int(len(idx) * fraction))]] = True
     return kept
 
 
-def _batch_best_worst(candidates: torch.Tensor, chain: torch.Tensor, step_of: torch.Tensor,
-                      advantages: torch.Tensor, fraction: float):
+def _batch_best_worst(
+    candidates: torch.Tensor,
+    chain: torch.Tensor,
+    step_of: torch.Tensor,
+    advantages: torch.Tensor,
+    fraction: float,
+):
     """BranchGRPO mode 2: rank every candidate edge of the batch by advantage (ties in
     chain, then step order, as the reference's depth-first list) and keep both ends."""
     idx = torch.nonzero(candidates).flatten()
@@ -145,13 +154,14 @@ def _batch_best_worst(candidates: torch.Tensor, chain: torch.Tensor, step_of: to
     ranked = dfs[torch.argsort(-advantages[dfs].double(), stable=True)]
     k = max(2, int(len(ranked) * fraction))
     kept = torch.zeros_like(candidates)
-    kept[ranked[:k // 2]] = True
-    kept[ranked[len(ranked) - (k - k // 2):]] = True
+    kept[ranked[: k // 2]] = True
+    kept[ranked[len(ranked) - (k - k // 2) :]] = True
     return kept
 
 
-def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor,
-                  advantages: torch.Tensor | None = None) -> torch.Tensor:
+def trained_edges(
+    tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor, advantages: torch.Tensor | None = None
+) -> torch.Tensor:
     """(N,) bool: nodes whose incoming edge is backpropagated this iteration.
     ``advantages`` (N,), the depth-wise advantage of each node, is needed by
     ``batch_best_worst`` only."""
@@ -170,11 +180,15 @@ def trained_edges(tree, tree_cfg, iteration: int, leaf_rewards: torch.Tensor,
     # after the last split a node's ordinal is its leaf's ordinal: one chain per leaf
     leaf_of = torch.where(after, tree.tree * spec.leaves + tree.ordinal, torch.zeros_like(tree.ordinal)).cpu()
     if mode == "chain_prefix":
-        return mask & (~after | _chain_prefix(mask & after, leaf_of, step_of.cpu(), tree_cfg.width_keep_fraction))
+        return mask & (
+            ~after | _chain_prefix(mask & after, leaf_of, step_of.cpu(), tree_cfg.width_keep_fraction)
+        )
     if mode == "batch_best_worst":
         if advantages is None:
             raise ValueError("tree.width_pruning batch_best_worst ranks edges by advantage: pass advantages")
-        kept = _batch_best_worst(mask & after, leaf_of, step_of.cpu(), advantages.cpu(), tree_cfg.width_keep_fraction)
+        kept = _batch_best_worst(
+            mask & after, leaf_of, step_of.cpu(), advantages.cpu(), tree_cfg.width_keep_fraction
+        )
         return mask & (~after | kept)
     kept = width_kept_leaves(tree, leaf_rewards, mode, tree_cfg.width_keep_fraction)
     return mask & (~after | kept[leaf_of])
@@ -187,14 +201,16 @@ def trained_edge_counts(spec, kinds: list[str], tree_cfg, iteration: int = 0) ->
     pruned = depth_pruned_steps(tree_cfg, iteration)
     mode, fraction = tree_cfg.width_pruning, tree_cfg.width_keep_fraction
     width = mode != "none" and spec.last_split >= 0
-    live = [t for t, kind in enumerate(kinds) if kind != "ode" and spec.nodes_at(t + 1) > 1 and t not in pruned]
+    live = [
+        t for t, kind in enumerate(kinds) if kind != "ode" and spec.nodes_at(t + 1) > 1 and t not in pruned
+    ]
     post = [t for t in live if t > spec.last_split]
     if mode in ("best_worst", "batch_best_worst"):
         kept = max(2, int(spec.leaves * fraction))
     elif mode == "best_per_branch":
         b = spec.factors[spec.last_split]
         kept = max(1, int(b * fraction)) * (spec.leaves // b)
-    prefix = set(post[:max(1, int(len(post) * fraction))])  # chain_prefix: the same steps in every chain
+    prefix = set(post[: max(1, int(len(post) * fraction))])  # chain_prefix: the same steps in every chain
     counts = []
     for t in range(len(kinds)):
         if t not in live:
@@ -220,8 +236,9 @@ class TreeCredit:
     dropped_groups: int = 0  # (tree, depth) groups left out for a non-finite reward
 
 
-def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=None, gather=None,
-                rank: int = 0) -> TreeCredit:
+def tree_credit(
+    tree, leaf_total, leaf_components, cfg, iteration: int, weights=None, gather=None, rank: int = 0
+) -> TreeCredit:
     """Fuse rewards, normalise per (tree, depth) with the configured estimator, prune.
 
     ``gather`` concatenates a per-process tensor over processes (so that ``decoupled``'s
@@ -240,8 +257,16 @@ def tree_credit(tree, leaf_total, leaf_components, cfg, iteration: int, weights=
     # roots have no incoming edge, and single-node depths (the trunk) always get 0: leave
     # both out, or they would pull down the batch std of decoupled / global estimators
     informative = multi_node(groups)
-    adv = compute_advantages(fused[informative, 0], groups[informative], acfg.estimator, acfg.eps,
-                             acfg.filter_zero_std, fused[informative, 1:], weights, acfg.std)
+    adv = compute_advantages(
+        fused[informative, 0],
+        groups[informative],
+        acfg.estimator,
+        acfg.eps,
+        acfg.filter_zero_std,
+        fused[informative, 1:],
+        weights,
+        acfg.std,
+    )
     full_adv = torch.zeros(len(groups))
     full_keep = torch.zeros(len(groups), dtype=torch.bool)
     full_adv[informative], full_keep[informative] = adv.values, adv.keep

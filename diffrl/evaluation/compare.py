@@ -54,11 +54,15 @@ def parse_checkpoints(specs: list[str]) -> list[Column]:
             cols.append(Column("base", None))
             continue
         p = Path(path)
-        if not any((p / f).exists() for f in ("trainable.safetensors", "pytorch_lora_weights.safetensors",
-                                              "transformer")):
-            raise CompareError(f"checkpoint '{spec}': no trainable.safetensors, pytorch_lora_weights.safetensors or "
-                               f"transformer/ in '{p}'; pass a run's checkpoints/step-N directory, a diffusers LoRA "
-                               "directory or a full fine-tune's directory")
+        if not any(
+            (p / f).exists()
+            for f in ("trainable.safetensors", "pytorch_lora_weights.safetensors", "transformer")
+        ):
+            raise CompareError(
+                f"checkpoint '{spec}': no trainable.safetensors, pytorch_lora_weights.safetensors or "
+                f"transformer/ in '{p}'; pass a run's checkpoints/step-N directory, a diffusers LoRA "
+                "directory or a full fine-tune's directory"
+            )
         cols.append(Column(name, p))
     if len({c.name for c in cols}) != len(cols):
         raise CompareError(f"checkpoint names must be unique, got {[c.name for c in cols]}; use NAME=PATH")
@@ -79,7 +83,11 @@ def with_rlg_scales(columns: list[Column], scales: list[float]) -> list[Column]:
 def load_weights(policy, path: Path) -> None:
     """Load a checkpoint's LoRA into the policy (exact fp32 tensors when available)."""
 
-    if not policy.is_lora and (path / "transformer").is_dir() and not (path / "trainable.safetensors").is_file():
+    if (
+        not policy.is_lora
+        and (path / "transformer").is_dir()
+        and not (path / "trainable.safetensors").is_file()
+    ):
         full = type(policy.transformer).from_pretrained(str(path / "transformer"))
         policy.transformer.load_state_dict(full.state_dict())
         return
@@ -88,7 +96,9 @@ def load_weights(policy, path: Path) -> None:
         try:
             policy.load_trainable_state_dict(state)
         except ValueError as err:
-            raise CompareError(f"checkpoint '{path}': {err}; compare it with the config it was trained with") from None
+            raise CompareError(
+                f"checkpoint '{path}': {err}; compare it with the config it was trained with"
+            ) from None
         return
     from peft.utils import set_peft_model_state_dict
 
@@ -97,8 +107,10 @@ def load_weights(policy, path: Path) -> None:
     result = set_peft_model_state_dict(policy.transformer, state)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
-        raise CompareError(f"checkpoint '{path}': LoRA keys do not match this model (e.g. {unexpected[:2]}); "
-                           "is it for the config's model family and LoRA targets?")
+        raise CompareError(
+            f"checkpoint '{path}': LoRA keys do not match this model (e.g. {unexpected[:2]}); "
+            "is it for the config's model family and LoRA targets?"
+        )
 
 
 def _read_weights(file: Path) -> dict:
@@ -132,11 +144,21 @@ def column_model(policy, column: Column):
     if column.scale is None:
         return policy.transformer
     # LoRA: adapters on / off on one model; full fine-tune: the frozen base copy
-    return GuidedTransformer(policy.transformer, column.scale, base=None if policy.is_lora else policy.frozen_reference)
+    return GuidedTransformer(
+        policy.transformer, column.scale, base=None if policy.is_lora else policy.frozen_reference
+    )
 
 
-def run_comparison(adapter, policy, columns: list[Column], prompts: list[str], seeds: list[int], steps: int, cfg,
-                   reward_fn=None) -> list[Tile]:
+def run_comparison(
+    adapter,
+    policy,
+    columns: list[Column],
+    prompts: list[str],
+    seeds: list[int],
+    steps: int,
+    cfg,
+    reward_fn=None,
+) -> list[Tile]:
     """Sample and score every tile; columns sharing a checkpoint load it once."""
     tiles: list[Tile] = []
     loaded = None

@@ -37,7 +37,9 @@ def _caption(tile, main: str | None) -> str:
     return f"{main} {tile.scores[main]:.3g}" + ("" if delta is None else f" ({delta:+.3g})")
 
 
-def grid_pages(tiles, columns: list[str], main_reward: str | None, rows_per_page: int, scale: int | None = None):
+def grid_pages(
+    tiles, columns: list[str], main_reward: str | None, rows_per_page: int, scale: int | None = None
+):
     """PIL pages: rows prompt x seed, columns in ``columns`` order, a caption per tile
     (column, main score and its change against base; the prompt and seed under the
     first column). ``scale`` zooms tiles by an integer factor (default: to ~160 px)."""
@@ -49,7 +51,7 @@ def grid_pages(tiles, columns: list[str], main_reward: str | None, rows_per_page
     cell_w, cell_h = w + GAP, h + LABEL_H + GAP
     pages = []
     for start in range(0, len(rows), rows_per_page):
-        chunk = rows[start:start + rows_per_page]
+        chunk = rows[start : start + rows_per_page]
         page = Image.new("RGB", (cell_w * len(columns) + GAP, cell_h * len(chunk) + GAP), (255, 255, 255))
         draw = ImageDraw.Draw(page)
         for r, (p, s) in enumerate(chunk):
@@ -57,7 +59,9 @@ def grid_pages(tiles, columns: list[str], main_reward: str | None, rows_per_page
                 tile = by_key[(p, s, name)]
                 x, y = GAP + c * cell_w, GAP + r * cell_h
                 page.paste(to_pil(tile.image).resize((w, h), Image.NEAREST), (x, y))
-                draw.rectangle((x - 1, y - 1, x + w, y + h), outline=(150, 150, 150))  # tiles never run together
+                draw.rectangle(
+                    (x - 1, y - 1, x + w, y + h), outline=(150, 150, 150)
+                )  # tiles never run together
                 lines = [(name, (0, 0, 0)), (_caption(tile, main_reward), (0, 0, 0))]
                 if c == 0:
                     lines += [(t, (90, 90, 90)) for t in wrap_caption(f"seed {s}: {tile.prompt}", w, lines=2)]
@@ -70,8 +74,19 @@ def grid_pages(tiles, columns: list[str], main_reward: str | None, rows_per_page
 def write_jsonl(tiles, path: Path) -> None:
     with open(path, "w") as fh:
         for t in tiles:
-            fh.write(json.dumps({"prompt": t.prompt, "prompt_index": t.prompt_index, "seed": t.seed,
-                                 "checkpoint": t.column, "scores": t.scores, "delta_vs_base": t.delta}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "prompt": t.prompt,
+                        "prompt_index": t.prompt_index,
+                        "seed": t.seed,
+                        "checkpoint": t.column,
+                        "scores": t.scores,
+                        "delta_vs_base": t.delta,
+                    }
+                )
+                + "\n"
+            )
 
 
 def _data_uri(tile) -> str:
@@ -91,7 +106,8 @@ rows.sort((x,y)=>{const a=parseFloat(x.cells[col].dataset.v),c=parseFloat(y.cell
 const av=isNaN(a)?-Infinity:a,cv=isNaN(c)?-Infinity:c;return dir=='desc'?cv-av:av-cv});
 rows.forEach(r=>b.appendChild(r));t.dataset.col=col;t.dataset.dir=dir;}
 window.addEventListener('load',()=>{const m=location.hash.match(/sort=(\d+)/);if(m)sortBy(+m[1]);
-const imgs=[...document.images];document.body.dataset.imagesOk=imgs.filter(i=>i.complete&&i.naturalWidth>0).length;
+const imgs=[...document.images];
+document.body.dataset.imagesOk=imgs.filter(i=>i.complete&&i.naturalWidth>0).length;
 document.body.dataset.images=imgs.length;});
 """
 
@@ -101,11 +117,19 @@ def write_html(tiles, columns: list[str], rewards: list[str], path: Path, title:
     scores, and one sortable cell per (column, reward) score and delta."""
     by_key = {(t.prompt_index, t.seed, t.column): t for t in tiles}
     rows = sorted({(t.prompt_index, t.seed) for t in tiles})
-    sort_cols = [(c, r, kind) for c in columns for r in rewards for kind in ("score", "delta")
-                 if kind == "score" or c != "base"]
+    sort_cols = [
+        (c, r, kind)
+        for c in columns
+        for r in rewards
+        for kind in ("score", "delta")
+        if kind == "score" or c != "base"
+    ]
     head = "<th>prompt</th><th>seed</th>" + "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    head += "".join(f"<th class='s' onclick='sortBy({3 + len(columns) + i - 1})'>{html.escape(c)} {html.escape(r)}"
-                    f"{' &Delta;' if k == 'delta' else ''}</th>" for i, (c, r, k) in enumerate(sort_cols))
+    head += "".join(
+        f"<th class='s' onclick='sortBy({3 + len(columns) + i - 1})'>{html.escape(c)} {html.escape(r)}"
+        f"{' &Delta;' if k == 'delta' else ''}</th>"
+        for i, (c, r, k) in enumerate(sort_cols)
+    )
     body = []
     for p, s in rows:
         first = by_key[(p, s, columns[0])]
@@ -117,12 +141,16 @@ def write_html(tiles, columns: list[str], rewards: list[str], path: Path, title:
         for c, r, k in sort_cols:
             t = by_key[(p, s, c)]
             v = (t.scores if k == "score" else t.delta).get(r, float("nan"))
-            cells.append(f"<td data-v='{v}'>{v:+.4g}</td>" if k == "delta" else f"<td data-v='{v}'>{v:.4g}</td>")
+            cells.append(
+                f"<td data-v='{v}'>{v:+.4g}</td>" if k == "delta" else f"<td data-v='{v}'>{v:.4g}</td>"
+            )
         body.append("<tr>" + "".join(cells) + "</tr>")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
-            "body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:4px;vertical-align:top}"
-            "img{image-rendering:pixelated;width:128px}th.s{cursor:pointer;background:#eef}</style>"
-            f"<script>{_SCRIPT}</script></head><body><h1>{html.escape(title)}</h1>"
-            "<p>Click a score column to sort (again to reverse). &Delta; is the change against base.</p>"
-            f"<table id='grid'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></body></html>")
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+        "body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:4px;vertical-align:top}"
+        "img{image-rendering:pixelated;width:128px}th.s{cursor:pointer;background:#eef}</style>"
+        f"<script>{_SCRIPT}</script></head><body><h1>{html.escape(title)}</h1>"
+        "<p>Click a score column to sort (again to reverse). &Delta; is the change against base.</p>"
+        f"<table id='grid'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></body></html>"
+    )
     Path(path).write_text(page)

@@ -41,9 +41,10 @@ def panels(specs, columns: int = 3, size=(380, 240)) -> Image.Image:
 
     rows = max(1, math.ceil(len(specs) / columns))
     dpi = 100
-    fig, axes = plt.subplots(rows, columns, figsize=(columns * size[0] * 1.45 / dpi, rows * size[1] / dpi), dpi=dpi,
-                             squeeze=False)
-    for ax in axes.flat[len(specs):]:
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(columns * size[0] * 1.45 / dpi, rows * size[1] / dpi), dpi=dpi, squeeze=False
+    )
+    for ax in axes.flat[len(specs) :]:
         ax.set_visible(False)
     for ax, (title, xlabel, series) in zip(axes.flat, specs):
         _draw_panel(ax, title, xlabel, series)
@@ -66,7 +67,15 @@ def _draw_panel(ax, title: str, xlabel: str, series) -> None:
         if not px:
             continue
         colour = tuple(c / 255 for c in COLOURS[i % len(COLOURS)])
-        ax.plot(px, py, color=colour, linewidth=1.4, marker="o" if len(px) < 30 else None, markersize=3, label=label)
+        ax.plot(
+            px,
+            py,
+            color=colour,
+            linewidth=1.4,
+            marker="o" if len(px) < 30 else None,
+            markersize=3,
+            label=label,
+        )
         drawn += 1
     if not drawn:
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")

@@ -42,8 +42,10 @@ class GuidedTransformer(nn.Module):
         super().__init__()
         self.aligned, self.base_module, self.scale = aligned, base, float(scale)
         if base is None and not hasattr(aligned, "disable_adapters"):
-            raise ValueError("RLG without a base module needs a LoRA (peft) transformer to disable its adapters; "
-                             "pass base= for full checkpoints")
+            raise ValueError(
+                "RLG without a base module needs a LoRA (peft) transformer to disable its adapters; "
+                "pass base= for full checkpoints"
+            )
 
     def __getattr__(self, name):
         try:

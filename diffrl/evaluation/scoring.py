@@ -33,7 +33,9 @@ from diffrl.sampling.rollout import rollout_independent
 DIVERSITY_SIZE = 64
 
 
-def eval_plan(prompts: list[str], num_prompts: int, seeds: list[int], tag: str = "eval") -> tuple[list[str], list[tuple]]:
+def eval_plan(
+    prompts: list[str], num_prompts: int, seeds: list[int], tag: str = "eval"
+) -> tuple[list[str], list[tuple]]:
     """The first ``num_prompts`` prompts, each once per seed, with noise keys (tag, i, seed)."""
     chosen = prompts[:num_prompts]
     plan_prompts, keys = [], []
@@ -62,7 +64,9 @@ def standard_error(values: torch.Tensor, prompt_index: list[int]) -> float:
     if len(uniq) < 2:
         return float("nan")
     sums = torch.zeros(len(uniq), dtype=torch.float64).scatter_add_(0, inverse, values.double())
-    counts = torch.zeros(len(uniq), dtype=torch.float64).scatter_add_(0, inverse, torch.ones_like(values.double()))
+    counts = torch.zeros(len(uniq), dtype=torch.float64).scatter_add_(
+        0, inverse, torch.ones_like(values.double())
+    )
     means = sums / counts
     return float(means.std(unbiased=True) / len(uniq) ** 0.5)
 
@@ -78,8 +82,9 @@ def thumbnails(images: torch.Tensor, size: int = DIVERSITY_SIZE) -> torch.Tensor
     h, w = frames.shape[-2:]
     if max(h, w) > size:
         scale = size / max(h, w)
-        frames = torch.nn.functional.interpolate(frames.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))),
-                                                 mode="area")
+        frames = torch.nn.functional.interpolate(
+            frames.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area"
+        )
     return frames.reshape(images.shape[0], -1).float()
 
 
@@ -102,8 +107,17 @@ SHEET_SIZE = 16
 
 
 @torch.no_grad()
-def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], cfg, sheet_path=None,
-             prefix: str = "eval", num_prompts: int | None = None) -> dict[str, float]:
+def evaluate(
+    accelerator,
+    adapter,
+    transformer,
+    reward_fn,
+    prompts: list[str],
+    cfg,
+    sheet_path=None,
+    prefix: str = "eval",
+    num_prompts: int | None = None,
+) -> dict[str, float]:
     """Every reward score over ``prompts`` (the first ``num_prompts``, default
     ``eval.num_prompts``) x ``eval.seeds``: ``<prefix>/<name>/mean`` and ``/se``,
     ``<prefix>/n`` and ``<prefix>/diversity``. With ``sheet_path`` the main process also
@@ -115,11 +129,13 @@ def evaluate(accelerator, adapter, transformer, reward_fn, prompts: list[str], c
     world, rank = accelerator.num_processes, accelerator.process_index
     padded_p, padded_k = _pad_to_multiple(plan_prompts, world), _pad_to_multiple(keys, world)
     per = len(padded_k) // world
-    local_p, local_k = padded_p[rank * per:(rank + 1) * per], padded_k[rank * per:(rank + 1) * per]
+    local_p, local_k = padded_p[rank * per : (rank + 1) * per], padded_k[rank * per : (rank + 1) * per]
     steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
     cond = adapter.encode_prompts(local_p)
     with accelerator.autocast():
-        traj = rollout_independent(adapter, transformer, cond, local_k, cfg, num_steps=steps, kinds=["ode"] * steps)
+        traj = rollout_independent(
+            adapter, transformer, cond, local_k, cfg, num_steps=steps, kinds=["ode"] * steps
+        )
     _, _, logs = reward_fn(traj.images, local_p, {"keys": local_k})
     if sheet_path is not None and accelerator.is_main_process:
         from diffrl.evaluation.plots import image_sheet

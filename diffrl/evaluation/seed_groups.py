@@ -77,8 +77,12 @@ def methods_table(groups: dict[str, list[list[dict]]]) -> str:
     """One Markdown row per method and evaluation step: held-out strict (mean ± sd over
     seeds [min, max]), the evaluation's standard error, training strict, background
     darkness and diversity as ratios to the method's own start, and wall minutes."""
-    lines = ["| method | seeds | iteration | minutes | held-out strict (mean ± sd [min, max] over seeds) | eval SE | "
-             "training strict | darkness x base | diversity x base |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | seeds | iteration | minutes | held-out strict (mean ± sd [min, max] over "
+        "seeds) | eval SE | "
+        "training strict | darkness x base | diversity x base |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, group in groups.items():
         se = dict(curve(group, HELDOUT.replace("/mean", "/se")))
         train = dict(curve(group, TRAIN))
@@ -86,15 +90,18 @@ def methods_table(groups: dict[str, list[list[dict]]]) -> str:
         diversity = dict(curve(group, DIVERSITY, ratio_to_start=True))
         minutes = dict(curve(group, "wall_time"))
         for step, value in curve(group, HELDOUT):
-            lines.append(f"| {name} | {len(group)} | {step:g} | {minutes[step].mean / 60:.1f} | {value.text()} | "
-                         f"{_mean_cell(se, step)} | {_mean_cell(train, step)} | "
-                         f"{_mean_cell(darkness, step, 2, 'x')} | {_mean_cell(diversity, step, 2, 'x')} |")
+            lines.append(
+                f"| {name} | {len(group)} | {step:g} | {minutes[step].mean / 60:.1f} | {value.text()} | "
+                f"{_mean_cell(se, step)} | {_mean_cell(train, step)} | "
+                f"{_mean_cell(darkness, step, 2, 'x')} | {_mean_cell(diversity, step, 2, 'x')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def group_panels(groups: dict[str, list[list[dict]]]) -> list[tuple]:
     """Plot specs (title, xlabel, series) of the seed means: held-out strict against
     iteration and wall time, training strict, darkness and diversity against iteration."""
+
     def means(key, x="step", ratio=False):
         out = []
         for name, group in groups.items():
@@ -102,8 +109,10 @@ def group_panels(groups: dict[str, list[list[dict]]]) -> list[tuple]:
             out.append((f"{name} (x{len(group)})", [px for px, _ in points], [v.mean for _, v in points]))
         return out
 
-    return [("held-out strict, mean over seeds", "step", means(HELDOUT)),
-            ("held-out strict vs wall time", "seconds", means(HELDOUT, "wall_time")),
-            ("training strict, mean over seeds", "step", means(TRAIN)),
-            ("background darkness x base", "step", means(DARKNESS, ratio=True)),
-            ("diversity x base", "step", means(DIVERSITY, ratio=True))]
+    return [
+        ("held-out strict, mean over seeds", "step", means(HELDOUT)),
+        ("held-out strict vs wall time", "seconds", means(HELDOUT, "wall_time")),
+        ("training strict, mean over seeds", "step", means(TRAIN)),
+        ("background darkness x base", "step", means(DARKNESS, ratio=True)),
+        ("diversity x base", "step", means(DIVERSITY, ratio=True)),
+    ]

@@ -43,8 +43,15 @@ def before_after(metrics_path: Path, headlines: tuple[str, ...] = ()) -> str:
         if headline:
             keys.remove(headline)
             keys.insert(0, headline)
-        cells = [(("* " if k == headline else "  ") + k, _cell(first, k), _cell(last, k), _change(k, first[k], last[k]))
-                 for k in keys]
+        cells = [
+            (
+                ("* " if k == headline else "  ") + k,
+                _cell(first, k),
+                _cell(last, k),
+                _change(k, first[k], last[k]),
+            )
+            for k in keys
+        ]
         sections.append((f"{title} (n = {_count(first, prefix)} / {_count(last, prefix)} samples)", cells))
     header = ("evaluation", f"step {first['step']}", f"step {last['step']}", "change")
     every = [header] + [c for _, cells in sections for c in cells]
@@ -59,8 +66,10 @@ def before_after(metrics_path: Path, headlines: tuple[str, ...] = ()) -> str:
         lines.append(title)
         lines += [fmt(c) for c in cells]
     minutes = (last.get("wall_time") or 0) / 60
-    lines.append(f"(wall time {minutes:.1f} min; ± is one standard error over prompts; diversity and fidelity "
-                 "change as after/before)")
+    lines.append(
+        f"(wall time {minutes:.1f} min; ± is one standard error over prompts; diversity and fidelity "
+        "change as after/before)"
+    )
     return "\n".join(lines)
 
 

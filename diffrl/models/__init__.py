@@ -10,13 +10,17 @@ from diffrl.models.base import Conditioning, FlowAdapter, ModelLoadError
 from rewards.registry import Registry
 
 # family name -> "module:Class", imported on first use
-FAMILIES = Registry("model family", {
-    "flux": "diffrl.models.flux:FluxAdapter",
-    "sd3": "diffrl.models.sd3:SD3Adapter",
-    "sana": "diffrl.models.sana:SanaAdapter",
-    "wan": "diffrl.models.wan:WanAdapter",
-    "toy": "diffrl.models.toy:ToyAdapter",
-}, plural="model families")
+FAMILIES = Registry(
+    "model family",
+    {
+        "flux": "diffrl.models.flux:FluxAdapter",
+        "sd3": "diffrl.models.sd3:SD3Adapter",
+        "sana": "diffrl.models.sana:SanaAdapter",
+        "wan": "diffrl.models.wan:WanAdapter",
+        "toy": "diffrl.models.toy:ToyAdapter",
+    },
+    plural="model families",
+)
 
 
 def register(family: str, target: str) -> None:
@@ -47,4 +51,12 @@ def build_adapter(model_cfg, device=None) -> FlowAdapter:
     return cls.from_pretrained(model_cfg)
 
 
-__all__ = ["Conditioning", "FlowAdapter", "ModelLoadError", "available", "adapter_class", "build_adapter", "register"]
+__all__ = [
+    "Conditioning",
+    "FlowAdapter",
+    "ModelLoadError",
+    "available",
+    "adapter_class",
+    "build_adapter",
+    "register",
+]

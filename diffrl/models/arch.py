@@ -77,21 +77,31 @@ def available_archs() -> list[str]:
 def load_arch(name: str) -> Arch:
     path = ARCH_DIR / f"{name}.json"
     if not path.is_file():
-        raise ModelLoadError(f"unknown architecture '{name}' in 'random:{name}'; "
-                             f"shipped architectures: {', '.join(available_archs())}")
+        raise ModelLoadError(
+            f"unknown architecture '{name}' in 'random:{name}'; "
+            f"shipped architectures: {', '.join(available_archs())}"
+        )
     raw = json.loads(path.read_text())
-    return Arch(name=raw["name"], family=raw["family"], transformer_class=raw["transformer_class"],
-                transformer=raw["transformer"], vae_class=raw["vae_class"], vae=raw["vae"],
-                text_overrides=raw.get("text_overrides", {}), published_params=raw.get("published_params", 0.0),
-                text_encoder_params=raw.get("text_encoders_published_params", 0.0),
-                hub_ids=tuple(raw.get("hub_ids", ())), source=raw.get("source", ""))
+    return Arch(
+        name=raw["name"],
+        family=raw["family"],
+        transformer_class=raw["transformer_class"],
+        transformer=raw["transformer"],
+        vae_class=raw["vae_class"],
+        vae=raw["vae"],
+        text_overrides=raw.get("text_overrides", {}),
+        published_params=raw.get("published_params", 0.0),
+        text_encoder_params=raw.get("text_encoders_published_params", 0.0),
+        hub_ids=tuple(raw.get("hub_ids", ())),
+        source=raw.get("source", ""),
+    )
 
 
 def arch_for(pretrained: str) -> Arch | None:
     """The architecture a ``model.pretrained`` value names: ``random:<arch>``, or a hub id
     listed in an arch file (so a real config can be sized without its weights)."""
     if pretrained.startswith(RANDOM_PREFIX):
-        return load_arch(pretrained[len(RANDOM_PREFIX):])
+        return load_arch(pretrained[len(RANDOM_PREFIX) :])
     for name in available_archs():
         arch = load_arch(name)
         if pretrained in arch.hub_ids:
@@ -115,7 +125,8 @@ def materialize(module: torch.nn.Module, device, dtype: torch.dtype, seed: int =
     as ``from_pretrained(torch_dtype=...)`` keeps them. Buffers keep their computed values
     and move to ``device``. Modules with
     ``reset_parameters`` (linear, conv, norm, embedding) use torch's default init on the
-    device; the remaining parameters (custom norms' scales, learned embeddings) get ones for 1-d ``weight``/``scale``, zeros for biases and N(0, 0.02) otherwise, so
+    device; the remaining parameters (custom norms' scales, learned embeddings) get ones
+    for 1-d ``weight``/``scale``, zeros for biases and N(0, 0.02) otherwise, so
     activations stay finite through a full-depth forward.
     """
     device = torch.device(device)
@@ -125,8 +136,9 @@ def materialize(module: torch.nn.Module, device, dtype: torch.dtype, seed: int =
             parts = f"{sub_name}.{name}".split(".")  # diffusers matches any part of the parameter name
             want = torch.float32 if any(k in parts for k in keep_fp32) else dtype
             if p is not None and (p.device != device or p.dtype != want):
-                sub._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device, dtype=want),
-                                                           requires_grad=p.requires_grad)
+                sub._parameters[name] = torch.nn.Parameter(
+                    torch.empty_like(p, device=device, dtype=want), requires_grad=p.requires_grad
+                )
         for name, b in list(sub._buffers.items()):  # computed values, kept in their dtype
             if b is not None:
                 sub._buffers[name] = b.to(device)
@@ -154,7 +166,9 @@ def _init_leftover(leaf: str, p: torch.nn.Parameter) -> None:
         p.normal_(0.0, 0.02)
 
 
-def build_random_pipeline(twin_pipe, arch: Arch, device, dtype: torch.dtype, seed: int = 0, text_only: bool = False):
+def build_random_pipeline(
+    twin_pipe, arch: Arch, device, dtype: torch.dtype, seed: int = 0, text_only: bool = False
+):
     """``twin_pipe``'s class and tokenizers with the full-size transformer and VAE of ``arch``
     (random weights, on ``device``) and text encoders widened to the published widths.
     ``text_only`` keeps the twin's transformer and VAE (a prompt encoder)."""
@@ -180,15 +194,21 @@ def build_random_adapter(cls, model_cfg, device=None):
     """
     from diffrl.models.loading import finalize_pipeline, torch_dtype
 
-    arch = load_arch(model_cfg.pretrained[len(RANDOM_PREFIX):])
+    arch = load_arch(model_cfg.pretrained[len(RANDOM_PREFIX) :])
     if arch.family != cls.family:
-        raise ModelLoadError(f"architecture '{arch.name}' is a {arch.family} model, but model.family is "
-                             f"'{cls.family}'; set model.family: {arch.family}")
+        raise ModelLoadError(
+            f"architecture '{arch.name}' is a {arch.family} model, but model.family is "
+            f"'{cls.family}'; set model.family: {arch.family}"
+        )
     device = torch.device(device) if device is not None else default_device()
     dtype, seed = torch_dtype(model_cfg.dtype), model_cfg.tiny_seed
     twin = cls.build_tiny(model_cfg)
-    adapter = cls(finalize_pipeline(build_random_pipeline(twin.pipe, arch, device, dtype, seed), model_cfg,
-                                    device=device), model_cfg)
+    adapter = cls(
+        finalize_pipeline(
+            build_random_pipeline(twin.pipe, arch, device, dtype, seed), model_cfg, device=device
+        ),
+        model_cfg,
+    )
     if device.type == "meta":
         text_pipe = build_random_pipeline(twin.pipe, arch, "cpu", dtype, seed, text_only=True)
         encoder = cls(finalize_pipeline(text_pipe, model_cfg), model_cfg)

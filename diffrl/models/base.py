@@ -31,7 +31,9 @@ class Conditioning:
     def to(self, device=None, dtype=None) -> Conditioning:
         out = {}
         for k, v in self.tensors.items():
-            out[k] = v.to(device=device, dtype=dtype if (dtype is not None and v.is_floating_point()) else None)
+            out[k] = v.to(
+                device=device, dtype=dtype if (dtype is not None and v.is_floating_point()) else None
+            )
         return Conditioning(out)
 
     @staticmethod
@@ -122,8 +124,14 @@ class FlowAdapter(ABC):
 
     # -- model -------------------------------------------------------------------------
     @abstractmethod
-    def velocity(self, transformer, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
-                 guidance: bool = True) -> torch.Tensor:
+    def velocity(
+        self,
+        transformer,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Conditioning,
+        guidance: bool = True,
+    ) -> torch.Tensor:
         """Predicted velocity v = dx/dsigma-direction (flow matching: x_t = (1-s) x0 + s x1,
         v = x1 - x0), in fp32 and the shape of ``latents``.
 

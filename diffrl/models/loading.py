@@ -58,7 +58,8 @@ def _check_local(name: str) -> None:
         raise ModelLoadError(f"model path '{name}' does not exist. {_fix_hint(name)}")
     if not path.is_dir() or not (path / "model_index.json").is_file():
         raise ModelLoadError(
-            f"model path '{name}' is not a diffusers pipeline directory (no model_index.json). {_fix_hint(name)}"
+            f"model path '{name}' is not a diffusers pipeline directory (no model_index.json). "
+            f"{_fix_hint(name)}"
         )
 
 

@@ -30,8 +30,10 @@ from diffrl.models.sd3 import SD3Adapter
 
 SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "toy_model"
 _SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")  # eos id 3: CLIP pools at the first eos
-_WORDS = ("a an one two three four and to the left right of above below red green blue yellow purple "
-          "cyan circle circles square squares triangle triangles").split()
+_WORDS = (
+    "a an one two three four and to the left right of above below red green blue yellow purple "
+    "cyan circle circles square squares triangle triangles"
+).split()
 
 
 def word_tokenizer(max_length: int = 16):
@@ -45,19 +47,34 @@ def word_tokenizer(max_length: int = 16):
     core.normalizer = normalizers.Lowercase()
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     core.post_processor = processors.TemplateProcessing(
-        single="<bos> $A <eos>", special_tokens=[("<bos>", 2), ("<eos>", 3)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>", model_max_length=max_length)
+        single="<bos> $A <eos>", special_tokens=[("<bos>", 2), ("<eos>", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+    )
 
 
-def build_components(resolution: int = 32, patch: int = 8, layers: int = 4, heads: int = 4,
-                     head_dim: int = 32, text_hidden: int = 64, text_layers: int = 2) -> dict:
+def build_components(
+    resolution: int = 32,
+    patch: int = 8,
+    layers: int = 4,
+    heads: int = 4,
+    head_dim: int = 32,
+    text_hidden: int = 64,
+    text_layers: int = 2,
+) -> dict:
     """Fresh (random) components of the toy architecture; call under ``tiny.seeded``."""
     from transformers import CLIPTextModelWithProjection
 
     tokenizer = word_tokenizer()
     text_encoder = CLIPTextModelWithProjection(
-        tiny.clip_text_config(tokenizer, hidden=text_hidden, layers=text_layers, projection_dim=text_hidden))
+        tiny.clip_text_config(tokenizer, hidden=text_hidden, layers=text_layers, projection_dim=text_hidden)
+    )
     transformer = SD3Transformer2DModel(
         sample_size=resolution,
         patch_size=patch,
@@ -71,15 +88,21 @@ def build_components(resolution: int = 32, patch: int = 8, layers: int = 4, head
         pooled_projection_dim=text_hidden,
         pos_embed_max_size=resolution // patch,
     )
-    return {"transformer": transformer, "scheduler": FlowMatchEulerDiscreteScheduler(shift=1.0),
-            "text_encoder": text_encoder, "tokenizer": tokenizer}
+    return {
+        "transformer": transformer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=1.0),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+    }
 
 
 # x-prediction divides by sigma; below this the division is clamped (JiT, Li & He 2025).
 MIN_SIGMA = 0.05
 
 
-def velocity_from_output(output: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor, prediction: str) -> torch.Tensor:
+def velocity_from_output(
+    output: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor, prediction: str
+) -> torch.Tensor:
     """The flow velocity v = eps - x0 (fp32) from the transformer's raw output.
 
     With ``prediction == "x0"`` the transformer predicts the clean image and
@@ -109,16 +132,22 @@ class ToyPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
         super().__init__()
         if prediction not in ("x0", "velocity"):
             raise ValueError(f"ToyPipeline: prediction must be 'x0' or 'velocity', got '{prediction}'")
-        self.register_modules(transformer=transformer, scheduler=scheduler, text_encoder=text_encoder,
-                              tokenizer=tokenizer)
+        self.register_modules(
+            transformer=transformer, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer
+        )
         self.register_to_config(prediction=prediction)
 
     def velocity(self, x_t, sigma, embeds, pooled, transformer=None) -> torch.Tensor:
         """fp32 velocity at ``sigma`` (B,) in [0, 1]; ``transformer`` defaults to the pipeline's."""
         transformer = transformer if transformer is not None else self.transformer
         t = sigma.float() * self.scheduler.config.num_train_timesteps
-        out = transformer(hidden_states=x_t, encoder_hidden_states=embeds, pooled_projections=pooled, timestep=t,
-                          return_dict=False)[0]
+        out = transformer(
+            hidden_states=x_t,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            timestep=t,
+            return_dict=False,
+        )[0]
         return velocity_from_output(out, x_t, sigma, self.config.prediction)
 
     def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name=None, **kwargs):
@@ -126,8 +155,9 @@ class ToyPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
         SD3's loader would look for a second text encoder this pipeline does not have)."""
         kwargs["return_lora_metadata"] = True
         state, metadata = self.lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
-        self.load_lora_into_transformer(state, transformer=self.transformer, adapter_name=adapter_name,
-                                        metadata=metadata, _pipeline=self)
+        self.load_lora_into_transformer(
+            state, transformer=self.transformer, adapter_name=adapter_name, metadata=metadata, _pipeline=self
+        )
 
     def text_embeddings(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sequence (B, L, D), pooled projection (B, D)) with gradients if the encoder has them."""
@@ -146,15 +176,26 @@ class ToyPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
         return embeds, neg, pooled, neg_pooled
 
     @torch.no_grad()
-    def __call__(self, prompt, num_inference_steps: int = 20, guidance_scale: float = 1.0, generator=None,
-                 latents: torch.Tensor | None = None, output_type: str = "pil"):
+    def __call__(
+        self,
+        prompt,
+        num_inference_steps: int = 20,
+        guidance_scale: float = 1.0,
+        generator=None,
+        latents: torch.Tensor | None = None,
+        output_type: str = "pil",
+    ):
         """Euler ODE sampling from ``latents`` (default: fresh noise from ``generator``);
         ``output_type`` ``pil`` or ``pt`` ([0, 1])."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         cfg = guidance_scale > 1.0
         embeds, neg, pooled, neg_pooled = self.encode_prompt(prompts, cfg)
         size = self.transformer.config.sample_size
-        x = latents if latents is not None else torch.randn((len(prompts), 3, size, size), generator=generator)
+        x = (
+            latents
+            if latents is not None
+            else torch.randn((len(prompts), 3, size, size), generator=generator)
+        )
         x = x.to(self.transformer.device, torch.float32)
         self.scheduler.set_timesteps(num_inference_steps)
         sigmas = self.scheduler.sigmas.float()
@@ -202,7 +243,9 @@ class ToyAdapter(SD3Adapter):
     def build_tiny(cls, model_cfg) -> ToyAdapter:
         """The toy architecture with random weights (smaller, for tests)."""
         with tiny.seeded(model_cfg.tiny_seed):
-            comps = build_components(resolution=model_cfg.height, layers=2, heads=2, text_hidden=32, text_layers=1)
+            comps = build_components(
+                resolution=model_cfg.height, layers=2, heads=2, text_hidden=32, text_layers=1
+            )
         return cls(finalize_pipeline(ToyPipeline(**comps, prediction="x0"), model_cfg), model_cfg)
 
     @classmethod
@@ -210,15 +253,19 @@ class ToyAdapter(SD3Adapter):
         """``shapeworld`` = the shipped weights; otherwise a directory from ``save_pretrained``."""
         if model_cfg.pretrained == "shapeworld":
             if not (SHIPPED / "model_index.json").is_file():
-                raise ModelLoadError(f"the shipped toy model is missing from '{SHIPPED}'; restore assets/toy_model "
-                                     "from git or rebuild it with scripts/pretrain_toy.py")
+                raise ModelLoadError(
+                    f"the shipped toy model is missing from '{SHIPPED}'; restore assets/toy_model "
+                    "from git or rebuild it with scripts/pretrain_toy.py"
+                )
             model_cfg = dataclasses.replace(model_cfg, pretrained=str(SHIPPED))
         with _quiet_loading():  # 9 MB load in a blink: the loaders' progress bars are noise here
             adapter = super().from_pretrained(model_cfg)
         size = adapter.transformer.config.sample_size
         if (model_cfg.height, model_cfg.width) != (size, size):
-            raise ModelLoadError(f"toy model '{model_cfg.pretrained}' generates {size}x{size} pixels; set "
-                                 f"model.height and model.width to {size}")
+            raise ModelLoadError(
+                f"toy model '{model_cfg.pretrained}' generates {size}x{size} pixels; set "
+                f"model.height and model.width to {size}"
+            )
         return adapter
 
     def _forward(self, transformer, latents, sigma, emb):
@@ -227,7 +274,12 @@ class ToyAdapter(SD3Adapter):
         return velocity_from_output(out, latents, sigma, self.pipe.config.prediction)
 
     def _encode_uncached(self, prompts: list[str]) -> Conditioning:
-        names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+        names = (
+            "prompt_embeds",
+            "negative_prompt_embeds",
+            "pooled_prompt_embeds",
+            "negative_pooled_prompt_embeds",
+        )
         return self._encoded(names, self.pipe.encode_prompt(prompts, self.do_cfg))
 
     def latent_shape(self) -> tuple[int, ...]:

@@ -60,7 +60,9 @@ def tree_vs_independent(adapter, cfg, schedules, prompts: int, repeats: int) -> 
 
     rows = []
     for splits, factors in schedules:
-        spec = TreeSpec.build(cfg.sampling.num_steps, splits, factors, cfg.tree.split_noise_scale, cfg.tree.split_noise)
+        spec = TreeSpec.build(
+            cfg.sampling.num_steps, splits, factors, cfg.tree.split_noise_scale, cfg.tree.split_noise
+        )
         keys = [(0, 0, g, s) for g in range(prompts) for s in range(spec.leaves)]
         cond = adapter.encode_prompts([F.PROMPTS[k[2] % len(F.PROMPTS)] for k in keys])
         out = {}
@@ -70,10 +72,18 @@ def tree_vs_independent(adapter, cfg, schedules, prompts: int, repeats: int) -> 
         n = len(keys)
         nfe_ratio = out["tree"].nfe / out["ind"].nfe
         time_ratio = res["tree"]["seconds"] / res["independent"]["seconds"]
-        rows.append({"schedule": f"{splits}x{factors}", "leaves": spec.leaves,
-                     "tree_nfe_per_leaf": out["tree"].nfe / n, "independent_nfe_per_leaf": out["ind"].nfe / n,
-                     "nfe_ratio": nfe_ratio, "tree_ms_per_leaf": 1e3 * res["tree"]["seconds"] / n,
-                     "independent_ms_per_leaf": 1e3 * res["independent"]["seconds"] / n, "time_ratio": time_ratio})
+        rows.append(
+            {
+                "schedule": f"{splits}x{factors}",
+                "leaves": spec.leaves,
+                "tree_nfe_per_leaf": out["tree"].nfe / n,
+                "independent_nfe_per_leaf": out["ind"].nfe / n,
+                "nfe_ratio": nfe_ratio,
+                "tree_ms_per_leaf": 1e3 * res["tree"]["seconds"] / n,
+                "independent_ms_per_leaf": 1e3 * res["independent"]["seconds"] / n,
+                "time_ratio": time_ratio,
+            }
+        )
     return rows
 
 
@@ -91,7 +101,9 @@ def _samplers(adapter, cfg, spec, keys, cond, out: dict) -> dict:
 
 
 # -- exploration precision ----------------------------------------------------------------
-def exploration_precision(adapter, modes: list[str], batch: int, steps: int, repeats: int, log=print) -> list[dict]:
+def exploration_precision(
+    adapter, modes: list[str], batch: int, steps: int, repeats: int, log=print
+) -> list[dict]:
     """The policy against exploration copies (Sol-RL stage 1), one velocity evaluation over
     ``batch`` pool candidates per call; images/s assumes ``steps`` evaluations per image.
 
@@ -110,16 +122,27 @@ def exploration_precision(adapter, modes: list[str], batch: int, steps: int, rep
     rows = {}
     for mode in [m for m in modes if m != base_mode] or [base_mode]:
         model = base_model if mode == base_mode else _exploration_model(adapter, mode, log)
-        fns = {base_mode: F.velocity_fn(adapter, base_model, batch), mode: F.velocity_fn(adapter, model, batch)}
+        fns = {
+            base_mode: F.velocity_fn(adapter, base_model, batch),
+            mode: F.velocity_fn(adapter, model, batch),
+        }
         res = race(fns, adapter.device, repeats)
         rows.setdefault(base_mode, res[base_mode])
         rows[mode] = {**res[mode], "ratio": res[base_mode]["seconds"] / res[mode]["seconds"]}
         del model, fns
         release_memory()
     rows[base_mode]["ratio"] = 1.0
-    return [{"mode": m, "policy_dtype": dtype, "ms_per_call": 1e3 * rows[m]["seconds"],
-             "images_per_s": batch / (rows[m]["seconds"] * steps), "speed_vs_bf16": rows[m]["ratio"],
-             "peak_gib": rows[m]["peak_gib"]} for m in modes]
+    return [
+        {
+            "mode": m,
+            "policy_dtype": dtype,
+            "ms_per_call": 1e3 * rows[m]["seconds"],
+            "images_per_s": batch / (rows[m]["seconds"] * steps),
+            "speed_vs_bf16": rows[m]["ratio"],
+            "peak_gib": rows[m]["peak_gib"],
+        }
+        for m in modes
+    ]
 
 
 def _exploration_model(adapter, mode: str, log):
@@ -128,7 +151,9 @@ def _exploration_model(adapter, mode: str, log):
     from diffrl.quant.backends import build_exploration_copy
 
     precision, _, backend = mode.partition(":")
-    return build_exploration_copy(adapter.transformer, adapter.family, precision, backend or "auto", log=log).model
+    return build_exploration_copy(
+        adapter.transformer, adapter.family, precision, backend or "auto", log=log
+    ).model
 
 
 # -- one training step --------------------------------------------------------------------
@@ -154,10 +179,18 @@ def training_step(adapter, batch: int, repeats: int, dtype: torch.dtype, guidanc
     peak, basis = spec_peak(name, str(dtype).removeprefix("torch.")), "spec sheet"
     if peak is None:
         peak, basis = gemm_peak(adapter.device, dtype), "measured GEMM"
-    return {"batch": batch, "seconds": res["seconds"], "peak_gib": res["peak_gib"],
-            "model_tflop": model_flops / 1e12, "executed_tflop": executed / 1e12,
-            "achieved_tflops": executed / res["seconds"] / 1e12, "peak_tflops": peak / 1e12,
-            "mfu": model_flops / res["seconds"] / peak, "hfu": executed / res["seconds"] / peak, "peak_basis": basis}
+    return {
+        "batch": batch,
+        "seconds": res["seconds"],
+        "peak_gib": res["peak_gib"],
+        "model_tflop": model_flops / 1e12,
+        "executed_tflop": executed / 1e12,
+        "achieved_tflops": executed / res["seconds"] / 1e12,
+        "peak_tflops": peak / 1e12,
+        "mfu": model_flops / res["seconds"] / peak,
+        "hfu": executed / res["seconds"] / peak,
+        "peak_basis": basis,
+    }
 
 
 # -- optimisations ------------------------------------------------------------------------
@@ -174,15 +207,24 @@ def rollout_optimisations(adapter, batch: int, repeats: int, variants: list[str]
         fns[v] = _with_backend(F.velocity_fn(adapter, model, batch), adapter.transformer, v)
     res = race(fns, adapter.device, repeats)
     base = next(iter(res.values()))["seconds"]  # the first variant that runs here
-    return [{"variant": v, "ms_per_call": 1e3 * r["seconds"], "speed_vs_first": base / r["seconds"],
-             "peak_gib": r["peak_gib"]} for v, r in res.items()]
+    return [
+        {
+            "variant": v,
+            "ms_per_call": 1e3 * r["seconds"],
+            "speed_vs_first": base / r["seconds"],
+            "peak_gib": r["peak_gib"],
+        }
+        for v, r in res.items()
+    ]
 
 
 def _variant_model(transformer, variant: str):
     if variant == "compile":
         return torch.compile(transformer)
     if variant == "cudagraphs":
-        return torch.compile(transformer, mode="reduce-overhead") if transformer.device.type == "cuda" else None
+        return (
+            torch.compile(transformer, mode="reduce-overhead") if transformer.device.type == "cuda" else None
+        )
     return transformer
 
 
@@ -194,8 +236,10 @@ def _with_backend(fn, transformer, variant: str):
 
     backend = variant.split(":", 1)[1]
     if "hub" in backend:  # hub backends fetch kernels at run time; this toolkit never downloads
-        raise ValueError(f"attention backend '{backend}' downloads kernels; use a local one (flash, "
-                         "_flash_3, native, _native_flash, _native_efficient, _native_cudnn, xformers, sage)")
+        raise ValueError(
+            f"attention backend '{backend}' downloads kernels; use a local one (flash, "
+            "_flash_3, native, _native_flash, _native_efficient, _native_cudnn, xformers, sage)"
+        )
 
     def run():
         with attention_backend(backend):
@@ -206,8 +250,13 @@ def _with_backend(fn, transformer, variant: str):
 
 # -- whole iterations -----------------------------------------------------------------------
 STAGES = {  # reported stage -> the trainer's StageClock names that make it up
-    "sync": ("sync",), "explore": ("explore",), "select": ("select",), "regenerate": ("regenerate",),
-    "rollout": ("rollout",), "score": ("pool_reward", "reward"), "train": ("update",),
+    "sync": ("sync",),
+    "explore": ("explore",),
+    "select": ("select",),
+    "regenerate": ("regenerate",),
+    "rollout": ("rollout",),
+    "score": ("pool_reward", "reward"),
+    "train": ("update",),
 }
 
 
@@ -233,5 +282,10 @@ def iteration_breakdown(cfg, warmup: int = 1) -> dict:
             stages[stage] = sum(median(f"time/{p}") for p in parts)
     total = sum(stages.values())
     peaks = [float(v) for r in rows for k, v in r.items() if k.startswith("memory/")]
-    return {"seconds": stages, "share": {k: v / total for k, v in stages.items()}, "total_seconds": total,
-            "peak_gib": max(peaks, default=0.0), "iterations_timed": len(rows)}
+    return {
+        "seconds": stages,
+        "share": {k: v / total for k, v in stages.items()},
+        "total_seconds": total,
+        "peak_gib": max(peaks, default=0.0),
+        "iterations_timed": len(rows),
+    }

@@ -30,8 +30,14 @@ from diffrl.perf.memory import GIB, param_bytes, saved_activation_bytes
 
 # open_clip architecture behind each model reward (HPSv2/PickScore: ViT-H-14; CLIPScore and
 # the LAION aesthetic head: ViT-L-14); ImageReward is BLIP ViT-L + a BERT-base text tower.
-REWARD_ARCH = {"hpsv2": "ViT-H-14", "hpsv21": "ViT-H-14", "pickscore": "ViT-H-14", "clipscore": "ViT-L-14",
-               "aesthetic": "ViT-L-14", "temporal_consistency": "ViT-L-14"}
+REWARD_ARCH = {
+    "hpsv2": "ViT-H-14",
+    "hpsv21": "ViT-H-14",
+    "pickscore": "ViT-H-14",
+    "clipscore": "ViT-L-14",
+    "aesthetic": "ViT-L-14",
+    "temporal_consistency": "ViT-L-14",
+}
 IMAGEREWARD_PARAMS = 447e6
 EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0}  # per transformer weight, on Hopper
 
@@ -54,7 +60,9 @@ def reward_params(spec) -> float:
 
 
 def _block_count(transformer: torch.nn.Module) -> int:
-    return sum(len(m) for n, m in transformer.named_children() if isinstance(m, torch.nn.ModuleList) and "block" in n)
+    return sum(
+        len(m) for n, m in transformer.named_children() if isinstance(m, torch.nn.ModuleList) and "block" in n
+    )
 
 
 def estimate_config(cfg, num_processes: int = 8) -> dict:
@@ -77,7 +85,9 @@ def estimate_config(cfg, num_processes: int = 8) -> dict:
     activations = saved_activation_bytes(train_step_fn(adapter, mb, guidance))
     if cfg.model.gradient_checkpointing:  # the block being recomputed holds its full activations
         transformer.disable_gradient_checkpointing()
-        activations += saved_activation_bytes(train_step_fn(adapter, mb, guidance)) // max(_block_count(transformer), 1)
+        activations += saved_activation_bytes(train_step_fn(adapter, mb, guidance)) // max(
+            _block_count(transformer), 1
+        )
     plan = derive(cfg, num_processes)
     bf16 = 2
     frozen = param_bytes(transformer, trainable=False) + param_bytes(adapter.pipe.vae)
@@ -89,14 +99,25 @@ def estimate_config(cfg, num_processes: int = 8) -> dict:
     reference = param_bytes(policy.frozen_reference) if policy.frozen_reference is not None else 0
     exploration = total * EXPLORATION_BYTES[cfg.solrl.precision] if cfg.solrl.enabled else 0.0
     parts = {
-        "transformer + VAE": frozen, "text encoders": text, "rewards": rewards,
-        "trainable + grads + AdamW": trainable_state, "reference copy": reference, "activations": activations,
+        "transformer + VAE": frozen,
+        "text encoders": text,
+        "rewards": rewards,
+        "trainable + grads + AdamW": trainable_state,
+        "reference copy": reference,
+        "activations": activations,
         "exploration copy": exploration,
         "trajectory buffer": plan["trajectory_buffer_mib_per_process"] * 2**20,
     }
     gib = {k: v / GIB for k, v in parts.items()}
     nfe = plan["rollout_nfe_per_iteration"] / num_processes
-    return {"arch": arch.name, "params": total - trainable,
-            "trainable_params": trainable, "forward_tflop_per_sample_step": forward / 1e12,
-            "train_tflop_per_sample": train / 1e12, "rollout_tflop_per_iteration_per_process": nfe * forward / 1e12,
-            "memory_gib": gib, "total_gib": sum(gib.values()), "num_processes": num_processes}
+    return {
+        "arch": arch.name,
+        "params": total - trainable,
+        "trainable_params": trainable,
+        "forward_tflop_per_sample_step": forward / 1e12,
+        "train_tflop_per_sample": train / 1e12,
+        "rollout_tflop_per_iteration_per_process": nfe * forward / 1e12,
+        "memory_gib": gib,
+        "total_gib": sum(gib.values()),
+        "num_processes": num_processes,
+    }

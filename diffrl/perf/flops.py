@@ -26,13 +26,17 @@ def _register_cpu_attention_formulas() -> None:
     forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if forward is not None and forward.default not in flop_counter.flop_registry:
+
         @flop_counter.register_flop_formula(forward)
         def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
             return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
     if backward is not None and backward.default not in flop_counter.flop_registry:
+
         @flop_counter.register_flop_formula(backward)
-        def _cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                                     **kwargs) -> int:
+        def _cpu_sdpa_backward_flops(
+            grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+        ) -> int:
             return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 

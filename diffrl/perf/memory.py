@@ -32,5 +32,8 @@ def saved_activation_bytes(fn) -> int:
 
 
 def param_bytes(module: torch.nn.Module, trainable: bool | None = None) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters()
-               if trainable is None or p.requires_grad == trainable)
+    return sum(
+        p.numel() * p.element_size()
+        for p in module.parameters()
+        if trainable is None or p.requires_grad == trainable
+    )

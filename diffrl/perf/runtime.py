@@ -36,8 +36,10 @@ class CompiledOrEager:
                 raise  # a real condition of the run, not a compile failure
             except Exception as err:  # noqa: BLE001 (any compile failure: fall back, the eager call re-raises real errors)
                 self._compiled = None
-                self._log(f"perf.compile_rollout: torch.compile failed ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:200]}); running {type(self.module).__name__} eagerly")
+                self._log(
+                    f"perf.compile_rollout: torch.compile failed ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0][:200]}); running {type(self.module).__name__} eagerly"
+                )
             else:
                 # CUDA-graph outputs live in a pool that the next replay overwrites, and the
                 # samplers keep chunk outputs across calls: hand out copies
@@ -59,8 +61,10 @@ def compiled(module: torch.nn.Module, perf, log=print):
     if not perf.compile_rollout:
         return module
     if perf.compile_mode == "reduce-overhead" and next(module.parameters()).device.type != "cuda":
-        raise ConfigError("perf.compile_mode: reduce-overhead captures CUDA graphs and needs a CUDA device; "
-                          "use the default mode on this machine")
+        raise ConfigError(
+            "perf.compile_mode: reduce-overhead captures CUDA graphs and needs a CUDA device; "
+            "use the default mode on this machine"
+        )
     return CompiledOrEager(module, None if perf.compile_mode == "default" else perf.compile_mode, log)
 
 
@@ -69,12 +73,16 @@ def apply_attention_backend(transformer: torch.nn.Module, name: str | None) -> N
     if name is None:
         return
     if "hub" in name:
-        raise ConfigError(f"perf.attention_backend '{name}' downloads kernels at run time; this toolkit never "
-                          "downloads: use flash, _flash_3, _native_flash, _native_cudnn, xformers or sage")
+        raise ConfigError(
+            f"perf.attention_backend '{name}' downloads kernels at run time; this toolkit never "
+            "downloads: use flash, _flash_3, _native_flash, _native_cudnn, xformers or sage"
+        )
     setter = getattr(transformer, "set_attention_backend", None)
     if setter is None:
-        raise ConfigError(f"perf.attention_backend: {type(transformer).__name__} is not a diffusers model with "
-                          "switchable attention; set perf.attention_backend: null")
+        raise ConfigError(
+            f"perf.attention_backend: {type(transformer).__name__} is not a diffusers model with "
+            "switchable attention; set perf.attention_backend: null"
+        )
     try:
         setter(name)
     except (ValueError, RuntimeError, ImportError) as err:

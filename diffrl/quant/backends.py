@@ -99,12 +99,16 @@ def choose_backend(precision: str, requested: str = "auto", hw: dict | None = No
         raise ValueError(f"unknown quantization backend '{requested}'; valid: {', '.join(BACKENDS)}")
     if precision == "bf16":
         if requested not in ("auto", "none", "reference"):
-            raise ValueError(f"precision bf16 quantizes nothing, so backend '{requested}' does not apply; "
-                             "use backend auto or none")
+            raise ValueError(
+                f"precision bf16 quantizes nothing, so backend '{requested}' does not apply; "
+                "use backend auto or none"
+            )
         return "none", "BF16 control: LoRA merged, nothing quantized"
     if requested == "none":
-        raise ValueError(f"backend none runs no quantizer; for precision {precision} use auto, reference, "
-                         "modelopt or torchao (or set precision bf16)")
+        raise ValueError(
+            f"backend none runs no quantizer; for precision {precision} use auto, reference, "
+            "modelopt or torchao (or set precision bf16)"
+        )
     if requested == "reference":
         return "reference", f"requested: pure-PyTorch fake {precision} (numerics only, no speed-up)"
     hw = detect_hardware(probe_imports=None if requested == "auto" else True) if hw is None else hw
@@ -146,25 +150,35 @@ def _describe(precision: str, backend: str, hw: dict) -> str:
     if precision == "fp8":
         return f"modelopt FP8 fake quant on {_where(hw)} (simulated: numerics only)"
     if hw["has_nvfp4"]:
-        return (f"{_where(hw)} has FP4 tensor cores (Blackwell), but this copy runs modelopt's NVFP4 "
-                "fake quant: NVFP4 numerics, BF16 speed")
+        return (
+            f"{_where(hw)} has FP4 tensor cores (Blackwell), but this copy runs modelopt's NVFP4 "
+            "fake quant: NVFP4 numerics, BF16 speed"
+        )
     return f"{_where(hw)} has no FP4 tensor cores: NVFP4 simulated by modelopt fake quant (numerics only)"
 
 
 def _check_requested(precision: str, backend: str, hw: dict) -> None:
     """Raise one clear error if ``backend`` cannot run ``precision`` here."""
     if backend == "torchao" and precision != "fp8":
-        raise ValueError(f"backend torchao runs fp8 only in diffrl, not {precision}; "
-                         "use backend modelopt or reference for nvfp4")
+        raise ValueError(
+            f"backend torchao runs fp8 only in diffrl, not {precision}; "
+            "use backend modelopt or reference for nvfp4"
+        )
     if not hw[backend]:
-        raise ValueError(f"backend {backend} needs the {backend} package, which does not import here: "
-                         f"{_PIP[backend]} (or pip install 'diffrl[{backend}]'), or use backend reference")
+        raise ValueError(
+            f"backend {backend} needs the {backend} package, which does not import here: "
+            f"{_PIP[backend]} (or pip install 'diffrl[{backend}]'), or use backend reference"
+        )
     if backend == "torchao" and not hw["has_fp8"]:
-        raise ValueError(f"backend torchao needs a CUDA GPU with FP8 tensor cores (sm_89+: Ada, Hopper, "
-                         f"Blackwell); found {_where(hw)}; use backend reference")
+        raise ValueError(
+            f"backend torchao needs a CUDA GPU with FP8 tensor cores (sm_89+: Ada, Hopper, "
+            f"Blackwell); found {_where(hw)}; use backend reference"
+        )
     if backend == "modelopt" and precision == "nvfp4" and not hw["cuda"]:
-        raise ValueError("backend modelopt's NVFP4 quantizers run only on a CUDA GPU (they fail on CPU); "
-                         "use backend reference")
+        raise ValueError(
+            "backend modelopt's NVFP4 quantizers run only on a CUDA GPU (they fail on CPU); "
+            "use backend reference"
+        )
 
 
 # -- 1x1 convs as linears ----------------------------------------------------------------
@@ -175,8 +189,9 @@ class ConvAsLinear(nn.Module):
     def __init__(self, conv: nn.Conv2d):
         super().__init__()
         w = conv.weight
-        self.linear = nn.Linear(conv.in_channels, conv.out_channels, bias=conv.bias is not None,
-                                device=w.device, dtype=w.dtype)
+        self.linear = nn.Linear(
+            conv.in_channels, conv.out_channels, bias=conv.bias is not None, device=w.device, dtype=w.dtype
+        )
         with torch.no_grad():
             self.linear.weight.copy_(w.reshape(w.shape[0], -1))
             if conv.bias is not None:
@@ -240,8 +255,10 @@ class ModelOptCopy(ExplorationCopy):
 
         # our keep-high list decides, not modelopt's name-based disables (``*proj_out.*``)
         mtq.disable_quantizer(self.model, lambda q: owner(q) not in targets)
-        mtq.enable_quantizer(self.model, lambda q: owner(q) in targets
-                             and q.rpartition(".")[2] in ("weight_quantizer", "input_quantizer"))
+        mtq.enable_quantizer(
+            self.model,
+            lambda q: owner(q) in targets and q.rpartition(".")[2] in ("weight_quantizer", "input_quantizer"),
+        )
         self._mtq = mtq
         self._calibrate()
 
@@ -322,8 +339,13 @@ class TorchaoCopy(ExplorationCopy):
         if self._config is None or name not in self._quantized_set:
             return super()._write_layer(name, target, weight)
         linear = target.linear if isinstance(target, ConvAsLinear) else target
-        fresh = nn.Linear(linear.in_features, linear.out_features, bias=False,
-                          device=linear.weight.device, dtype=self._dtypes[name])
+        fresh = nn.Linear(
+            linear.in_features,
+            linear.out_features,
+            bias=False,
+            device=linear.weight.device,
+            dtype=self._dtypes[name],
+        )
         fresh.weight.data.copy_(weight.reshape(fresh.weight.shape).to(fresh.weight.device))
         self._quantize_(fresh, self._config)
         if not _copy_inner_(linear.weight, fresh.weight):
@@ -331,8 +353,17 @@ class TorchaoCopy(ExplorationCopy):
 
 
 # -- entry point -------------------------------------------------------------------------
-def build_exploration_copy(transformer: nn.Module, family: str, precision: str, backend: str = "auto",
-                           keep_high=None, log=print, *, forward_loop=None, compile: bool = True):
+def build_exploration_copy(
+    transformer: nn.Module,
+    family: str,
+    precision: str,
+    backend: str = "auto",
+    keep_high=None,
+    log=print,
+    *,
+    forward_loop=None,
+    compile: bool = True,
+):
     """The exploration copy of ``transformer`` at ``precision``, on the backend that
     ``choose_backend`` picks (or the one requested). ``keep_high=None`` uses the family's
     default list. Logs one line saying which path runs and why. The result has

@@ -51,8 +51,13 @@ def _base(module: nn.Module) -> nn.Module:
 def is_pointwise_conv(module: nn.Module) -> bool:
     """A 1x1 Conv2d with stride 1, no padding and one group: per pixel, exactly a linear
     layer over channels."""
-    return (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.stride == (1, 1)
-            and module.padding in ((0, 0), "valid") and module.groups == 1)
+    return (
+        isinstance(module, nn.Conv2d)
+        and module.kernel_size == (1, 1)
+        and module.stride == (1, 1)
+        and module.padding in ((0, 0), "valid")
+        and module.groups == 1
+    )
 
 
 def is_quantizable(module: nn.Module) -> bool:
@@ -76,8 +81,10 @@ def _unwrapped_copy(transformer: nn.Module) -> nn.Module:
     for name, module in list(model.named_modules()):
         if _is_lora_layer(module):
             if not isinstance(module.base_layer, _WEIGHT_LAYERS):
-                raise NotImplementedError(f"LoRA on '{name}' ({type(module.base_layer).__name__}) is not merged "
-                                          "by the exploration copy; target linear or conv layers only")
+                raise NotImplementedError(
+                    f"LoRA on '{name}' ({type(module.base_layer).__name__}) is not merged "
+                    "by the exploration copy; target linear or conv layers only"
+                )
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, module.base_layer)

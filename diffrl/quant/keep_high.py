@@ -75,7 +75,9 @@ FAMILIES = tuple(sorted(KEEP_HIGH))
 def default_keep_high(family: str) -> tuple[str, ...]:
     """The anchored keep-high regexes of ``family`` (one of :data:`FAMILIES`)."""
     if family not in KEEP_HIGH:
-        raise ValueError(f"no keep-high list for model family '{family}'; valid families: {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"no keep-high list for model family '{family}'; valid families: {', '.join(FAMILIES)}"
+        )
     return KEEP_HIGH[family]
 
 

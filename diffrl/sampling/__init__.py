@@ -14,8 +14,11 @@ from diffrl.sampling.sde import STEP_KINDS, gaussian_kl, gaussian_log_prob, step
 from diffrl.sampling.tree import TreeSpec, TreeTrajectory, rollout_tree
 from rewards.registry import Registry
 
-STRATEGIES = Registry("rollout strategy", {"independent": rollout_independent, "tree": rollout_tree},
-                      plural="rollout strategies")
+STRATEGIES = Registry(
+    "rollout strategy",
+    {"independent": rollout_independent, "tree": rollout_tree},
+    plural="rollout strategies",
+)
 
 
 def register_strategy(name: str, fn) -> None:
@@ -30,6 +33,17 @@ def get_strategy(name: str):
     return STRATEGIES.get(name)
 
 
-__all__ = ["STEP_KINDS", "Trajectory", "available_strategies", "gaussian_kl", "gaussian_log_prob",
-           "get_strategy", "register_strategy", "rollout_independent", "rollout_tree", "step", "TreeSpec",
-           "TreeTrajectory"]
+__all__ = [
+    "STEP_KINDS",
+    "Trajectory",
+    "available_strategies",
+    "gaussian_kl",
+    "gaussian_log_prob",
+    "get_strategy",
+    "register_strategy",
+    "rollout_independent",
+    "rollout_tree",
+    "step",
+    "TreeSpec",
+    "TreeTrajectory",
+]

@@ -48,12 +48,21 @@ class Trajectory:
 
     def trainable_steps(self) -> list[int]:
         """Steps with a stochastic transition (std > 0): only these have a policy ratio."""
-        return [t for t in range(self.num_steps) if self.step_kinds[t] != "ode" and bool((self.stds[:, t] > 0).all())]
+        return [
+            t
+            for t in range(self.num_steps)
+            if self.step_kinds[t] != "ode" and bool((self.stds[:, t] > 0).all())
+        ]
 
     def transition(self, rows, t: int):
         """(x_t, x_next, old log-prob, conditioning rows) of samples ``rows`` at step t."""
         ix = torch.as_tensor(rows)
-        return self.latents[ix, t], self.latents[ix, t + 1], self.log_probs[ix, t], [int(i) for i in ix.tolist()]
+        return (
+            self.latents[ix, t],
+            self.latents[ix, t + 1],
+            self.log_probs[ix, t],
+            [int(i) for i in ix.tolist()],
+        )
 
     def select(self, index) -> Trajectory:
         idx = torch.as_tensor(index, dtype=torch.long)
@@ -98,8 +107,18 @@ def step_noise(shape, keys, t: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def denoise(adapter, transformer, cond, keys, sigmas, kinds, noise_levels, reduction="mean",
-            init_noise: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> Trajectory:
+def denoise(
+    adapter,
+    transformer,
+    cond,
+    keys,
+    sigmas,
+    kinds,
+    noise_levels,
+    reduction="mean",
+    init_noise: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> Trajectory:
     """Run one batch of independent paths to x_T.
 
     Noise is drawn from each path's key unless given: ``init_noise`` (B, *shape) and
@@ -109,7 +128,11 @@ def denoise(adapter, transformer, cond, keys, sigmas, kinds, noise_levels, reduc
     device = adapter.device
     shape = adapter.latent_shape()
     b, n = len(keys), len(kinds)
-    levels = [float(noise_levels)] * n if isinstance(noise_levels, (int, float)) else [float(a) for a in noise_levels]
+    levels = (
+        [float(noise_levels)] * n
+        if isinstance(noise_levels, (int, float))
+        else [float(a) for a in noise_levels]
+    )
     x = (initial_noise(shape, keys) if init_noise is None else init_noise.float()).to(device)
     sigma_1 = float(sigmas[1]) if len(sigmas) > 1 else None
     latents, means, noises = [x], [], []
@@ -120,21 +143,39 @@ def denoise(adapter, transformer, cond, keys, sigmas, kinds, noise_levels, reduc
             eps = torch.zeros_like(x)
         else:
             eps = (step_noise(shape, keys, t) if noise is None else noise[:, t].float()).to(device)
-        res = step(kind, x, v, sigmas[t], sigmas[t + 1], levels[t], sigma_1=sigma_1, noise=eps, reduction=reduction)
+        res = step(
+            kind, x, v, sigmas[t], sigmas[t + 1], levels[t], sigma_1=sigma_1, noise=eps, reduction=reduction
+        )
         x = res.next_latents
         latents.append(x)
         means.append(res.mean)
         noises.append(eps)
         log_probs[:, t], stds[:, t], std_ts[:, t] = res.log_prob, res.std, res.std_t
     return Trajectory(
-        latents=torch.stack(latents, 1), means=torch.stack(means, 1), log_probs=log_probs, stds=stds,
-        std_ts=std_ts, sigmas=sigmas.cpu(), step_kinds=list(kinds), step_noise=torch.stack(noises, 1),
-        keys=list(keys), nfe=b * n, noise_levels=levels,
+        latents=torch.stack(latents, 1),
+        means=torch.stack(means, 1),
+        log_probs=log_probs,
+        stds=stds,
+        std_ts=std_ts,
+        sigmas=sigmas.cpu(),
+        step_kinds=list(kinds),
+        step_noise=torch.stack(noises, 1),
+        keys=list(keys),
+        nfe=b * n,
+        noise_levels=levels,
     )
 
 
-def rollout_independent(adapter, transformer, cond, keys, cfg, num_steps: int | None = None,
-                        kinds: list[str] | None = None, iteration: int = 0) -> Trajectory:
+def rollout_independent(
+    adapter,
+    transformer,
+    cond,
+    keys,
+    cfg,
+    num_steps: int | None = None,
+    kinds: list[str] | None = None,
+    iteration: int = 0,
+) -> Trajectory:
     """Independent rollouts for ``keys`` in chunks of ``cfg.rollout.batch_size``, decoded.
 
     ``cond`` holds one row per key. Each path's noise depends only on its key, so the
@@ -148,8 +189,16 @@ def rollout_independent(adapter, transformer, cond, keys, cfg, num_steps: int | 
     bs = cfg.rollout.batch_size
     for start in range(0, len(keys), bs):
         idx = list(range(start, min(start + bs, len(keys))))
-        traj = denoise(adapter, transformer, cond.select(idx), [keys[i] for i in idx], sigmas, kinds,
-                       cfg.sampling.noise_level, cfg.objective.logprob_reduction)
+        traj = denoise(
+            adapter,
+            transformer,
+            cond.select(idx),
+            [keys[i] for i in idx],
+            sigmas,
+            kinds,
+            cfg.sampling.noise_level,
+            cfg.objective.logprob_reduction,
+        )
         with torch.no_grad():
             traj.images = adapter.decode(traj.latents[:, -1]).float()
         parts.append(traj)

@@ -62,8 +62,15 @@ def _as_batch(v, batch: int, device) -> torch.Tensor:
     return v.expand(batch) if v.ndim == 0 else v.float()
 
 
-def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float,
-                  sigma_1: float | None = None):
+def step_mean_std(
+    kind: str,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level: float,
+    sigma_1: float | None = None,
+):
     """Mean (shape of x), transition std (B,) and rule std_t (B,) of one reverse step."""
     x, v = x.float(), v.float()
     b = x.shape[0]
@@ -102,7 +109,9 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, re
     """Log N(x; mean, std^2) per element, reduced over non-batch dims. std (B,) > 0."""
     stb = _bcast(std, x)
     if reduction not in LOGPROB_REDUCTIONS:
-        raise ValueError(f"logprob reduction must be one of {', '.join(LOGPROB_REDUCTIONS)}, got '{reduction}'")
+        raise ValueError(
+            f"logprob reduction must be one of {', '.join(LOGPROB_REDUCTIONS)}, got '{reduction}'"
+        )
     elem = -((x - mean) ** 2) / (2 * stb**2) - torch.log(stb) - 0.5 * math.log(2 * math.pi)
     dims = tuple(range(1, x.ndim))
     return elem.sum(dim=dims) if reduction == "sum" else elem.mean(dim=dims)
@@ -115,9 +124,19 @@ def step_log_prob(kind: str, x: torch.Tensor, mean: torch.Tensor, std: torch.Ten
     return gaussian_log_prob(x, mean, std, reduction)
 
 
-def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float, *,
-         sigma_1: float | None = None, noise: torch.Tensor | None = None,
-         next_latents: torch.Tensor | None = None, reduction: str = "mean") -> StepResult:
+def step(
+    kind: str,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level: float,
+    *,
+    sigma_1: float | None = None,
+    noise: torch.Tensor | None = None,
+    next_latents: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> StepResult:
     """Take (``noise`` given) or score (``next_latents`` given) one reverse step.
 
     Exactly one of ``noise`` / ``next_latents`` may be given; with neither, the step is
@@ -133,13 +152,20 @@ def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_l
     else:  # deterministic rows have no density; give them 0 so they drop out of ratios
         log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
         if bool(safe.any()):
-            log_prob = log_prob.index_put((safe,), step_log_prob(kind,
-                next_latents.detach()[safe], mean[safe], std[safe], reduction))
+            log_prob = log_prob.index_put(
+                (safe,), step_log_prob(kind, next_latents.detach()[safe], mean[safe], std[safe], reduction)
+            )
     return StepResult(next_latents, mean, std, std_t, log_prob)
 
 
-def gaussian_kl(mean_p: torch.Tensor, mean_q: torch.Tensor, std: torch.Tensor, std_t: torch.Tensor,
-                kind: str = "exact", reduction: str = "mean") -> torch.Tensor:
+def gaussian_kl(
+    mean_p: torch.Tensor,
+    mean_q: torch.Tensor,
+    std: torch.Tensor,
+    std_t: torch.Tensor,
+    kind: str = "exact",
+    reduction: str = "mean",
+) -> torch.Tensor:
     """KL between two Gaussian transitions that share their std, per sample (B,).
 
     ``exact``: ||mu_p - mu_q||^2 / (2 std^2) with std the transition std (std_t sqrt(-dt)

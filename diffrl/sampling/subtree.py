@@ -48,26 +48,49 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
     for t, kind in enumerate(pool.step_kinds):
         here = torch.nonzero(depth == t).flatten()
         rows = [pool.cond_rows[k] for k in tree[here].tolist()]
-        v = velocity_chunks(adapter, transformer, latents[here], sigmas[t].to(device), cond, rows,
-                            cfg.rollout.batch_size)
+        v = velocity_chunks(
+            adapter, transformer, latents[here], sigmas[t].to(device), cond, rows, cfg.rollout.batch_size
+        )
         nfe += len(here)
         children = torch.nonzero(depth == t + 1).flatten()
         # position of each child's parent within ``here``
         parent_pos = torch.searchsorted(here, remap[pool.parent[nodes[children]]])
         eps = pool.noise[nodes[children]].to(device)
-        res = step(kind, latents[here][parent_pos], v[parent_pos], sigmas[t], sigmas[t + 1], pool.noise_levels[t],
-                   sigma_1=sigma_1, noise=eps, reduction=reduction)
+        res = step(
+            kind,
+            latents[here][parent_pos],
+            v[parent_pos],
+            sigmas[t],
+            sigmas[t + 1],
+            pool.noise_levels[t],
+            sigma_1=sigma_1,
+            noise=eps,
+            reduction=reduction,
+        )
         latents[children], means[children] = res.next_latents, res.mean
         log_probs[children], stds[children], std_ts[children] = res.log_prob, res.std, res.std_t
     parent = torch.where(roots, torch.full_like(depth, -1), remap[pool.parent[nodes].clamp(min=0)])
     traj = TreeTrajectory(
-        latents=latents, means=means, log_probs=log_probs, stds=stds, std_ts=std_ts,
-        noise=pool.noise[nodes].clone(), parent=parent, depth=depth, tree=tree, ordinal=pool.ordinal[nodes],
-        sigmas=pool.sigmas, step_kinds=list(pool.step_kinds), noise_levels=list(pool.noise_levels), spec=pool.spec,
-        root_keys=list(pool.root_keys), cond_rows=list(pool.cond_rows),
-        keys=[pool.keys[i] for i in leaves.tolist()], nfe=nfe,
+        latents=latents,
+        means=means,
+        log_probs=log_probs,
+        stds=stds,
+        std_ts=std_ts,
+        noise=pool.noise[nodes].clone(),
+        parent=parent,
+        depth=depth,
+        tree=tree,
+        ordinal=pool.ordinal[nodes],
+        sigmas=pool.sigmas,
+        step_kinds=list(pool.step_kinds),
+        noise_levels=list(pool.noise_levels),
+        spec=pool.spec,
+        root_keys=list(pool.root_keys),
+        cond_rows=list(pool.cond_rows),
+        keys=[pool.keys[i] for i in leaves.tolist()],
+        nfe=nfe,
     )
     final = traj.latents[traj.leaf_nodes()]
     bs = cfg.rollout.batch_size
-    traj.images = torch.cat([adapter.decode(final[s:s + bs]).float() for s in range(0, len(final), bs)])
+    traj.images = torch.cat([adapter.decode(final[s : s + bs]).float() for s in range(0, len(final), bs)])
     return traj

@@ -55,8 +55,14 @@ class TreeSpec:
     split_noise: str = "level"  # "level": scale the step's noise level; "draw": only the drawn noise
 
     @classmethod
-    def build(cls, num_steps: int, split_steps, branch_factors, split_noise_scale: float = 1.0,
-              split_noise: str = "level") -> TreeSpec:
+    def build(
+        cls,
+        num_steps: int,
+        split_steps,
+        branch_factors,
+        split_noise_scale: float = 1.0,
+        split_noise: str = "level",
+    ) -> TreeSpec:
         if split_noise not in ("level", "draw"):
             raise ValueError(f"tree.split_noise must be 'level' or 'draw', got '{split_noise}'")
         splits = list(split_steps)
@@ -69,7 +75,9 @@ class TreeSpec:
     @classmethod
     def from_config(cls, cfg) -> TreeSpec:
         t = cfg.tree
-        return cls.build(cfg.sampling.num_steps, t.split_steps, t.branch_factors, t.split_noise_scale, t.split_noise)
+        return cls.build(
+            cfg.sampling.num_steps, t.split_steps, t.branch_factors, t.split_noise_scale, t.split_noise
+        )
 
     @property
     def num_steps(self) -> int:
@@ -125,10 +133,14 @@ class TreeSpec:
                 parent.append(torch.full((num_trees,), -1))
             else:
                 prev = self.nodes_at(d - 1)
-                parent.append(offset - num_trees * prev + tree[-1] * prev + ordinal[-1] // self.factors[d - 1])
+                parent.append(
+                    offset - num_trees * prev + tree[-1] * prev + ordinal[-1] // self.factors[d - 1]
+                )
             offset += num_trees * n
-        return {k: torch.cat(v) for k, v in
-                (("depth", depth), ("tree", tree), ("ordinal", ordinal), ("parent", parent))}
+        return {
+            k: torch.cat(v)
+            for k, v in (("depth", depth), ("tree", tree), ("ordinal", ordinal), ("parent", parent))
+        }
 
 
 @dataclass
@@ -190,10 +202,18 @@ class TreeTrajectory:
         child = p[:, 1:]
         idx = torch.arange(self.num_leaves) if leaves is None else torch.as_tensor(leaves)
         return Trajectory(
-            latents=self.latents[p], means=self.means[child], log_probs=self.log_probs[child],
-            stds=self.stds[child], std_ts=self.std_ts[child], sigmas=self.sigmas, step_kinds=list(self.step_kinds),
-            step_noise=self.noise[child], keys=[self.keys[i] for i in idx.tolist()], nfe=0,
-            images=None if self.images is None else self.images[idx], noise_levels=list(self.noise_levels),
+            latents=self.latents[p],
+            means=self.means[child],
+            log_probs=self.log_probs[child],
+            stds=self.stds[child],
+            std_ts=self.std_ts[child],
+            sigmas=self.sigmas,
+            step_kinds=list(self.step_kinds),
+            step_noise=self.noise[child],
+            keys=[self.keys[i] for i in idx.tolist()],
+            nfe=0,
+            images=None if self.images is None else self.images[idx],
+            noise_levels=list(self.noise_levels),
         )
 
     def transition(self, rows, t: int):
@@ -208,13 +228,18 @@ def trees_from_keys(keys, leaves: int) -> tuple[list[tuple], list[int]]:
     0..leaves-1 contiguously (the sample plan's group-major order)."""
     roots, rows = [], []
     for start in range(0, len(keys), leaves):
-        block = keys[start:start + leaves]
+        block = keys[start : start + leaves]
         root = tuple(block[0][:-1])
-        if len(block) != leaves or [tuple(k[:-1]) for k in block] != [root] * leaves \
-                or [k[-1] for k in block] != list(range(leaves)):
-            raise ValueError(f"tree rollouts need {leaves} consecutive samples per prompt with indices "
-                             f"0..{leaves - 1}; got keys {block[:3]}... (is rollout.group_size the tree's leaf count, "
-                             "and does every process hold whole prompts?)")
+        if (
+            len(block) != leaves
+            or [tuple(k[:-1]) for k in block] != [root] * leaves
+            or [k[-1] for k in block] != list(range(leaves))
+        ):
+            raise ValueError(
+                f"tree rollouts need {leaves} consecutive samples per prompt with indices "
+                f"0..{leaves - 1}; got keys {block[:3]}... (is rollout.group_size the tree's leaf count, "
+                "and does every process hold whole prompts?)"
+            )
         roots.append(root)
         rows.append(start)
     return roots, rows
@@ -223,13 +248,17 @@ def trees_from_keys(keys, leaves: int) -> tuple[list[tuple], list[int]]:
 def velocity_chunks(adapter, transformer, x, sigma, cond, cond_rows, batch_size: int) -> torch.Tensor:
     outs = []
     for s in range(0, x.shape[0], batch_size):
-        rows = cond_rows[s:s + batch_size]
-        outs.append(adapter.velocity(transformer, x[s:s + batch_size], sigma.expand(len(rows)), cond.select(rows)))
+        rows = cond_rows[s : s + batch_size]
+        outs.append(
+            adapter.velocity(transformer, x[s : s + batch_size], sigma.expand(len(rows)), cond.select(rows))
+        )
     return torch.cat(outs)
 
 
 @torch.no_grad()
-def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec: TreeSpec | None = None) -> TreeTrajectory:
+def rollout_tree(
+    adapter, transformer, cond, keys, cfg, iteration: int = 0, spec: TreeSpec | None = None
+) -> TreeTrajectory:
     """Grow one tree per prompt group in ``keys`` (``cond`` has one row per key) and decode
     the leaves. ``spec`` defaults to the config's ``tree`` section."""
     spec = spec or TreeSpec.from_config(cfg)
@@ -251,8 +280,15 @@ def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec
     for t, kind in enumerate(kinds):
         here = lay["depth"] == t
         tree_of, ord_of = lay["tree"][here], lay["ordinal"][here]
-        v = velocity_chunks(adapter, transformer, x, sigmas[t].to(device), cond,
-                             [cond_rows[k] for k in tree_of.tolist()], cfg.rollout.batch_size)
+        v = velocity_chunks(
+            adapter,
+            transformer,
+            x,
+            sigmas[t].to(device),
+            cond,
+            [cond_rows[k] for k in tree_of.tolist()],
+            cfg.rollout.batch_size,
+        )
         nfe += x.shape[0]
         b = spec.factors[t]
         child_tree = tree_of.repeat_interleave(b)
@@ -260,10 +296,23 @@ def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec
         if kind == "ode":
             eps = torch.zeros((len(child_ord), *shape), device=device)
         else:
-            eps = rng.randn_batch(shape, [(*roots[k], j) for k, j in zip(child_tree.tolist(), child_ord.tolist())],
-                                  "sde", t).to(device) * draw_scales[t]
-        res = step(kind, x.repeat_interleave(b, 0), v.repeat_interleave(b, 0), sigmas[t], sigmas[t + 1], levels[t],
-                   sigma_1=sigma_1, noise=eps, reduction=cfg.objective.logprob_reduction)
+            eps = (
+                rng.randn_batch(
+                    shape, [(*roots[k], j) for k, j in zip(child_tree.tolist(), child_ord.tolist())], "sde", t
+                ).to(device)
+                * draw_scales[t]
+            )
+        res = step(
+            kind,
+            x.repeat_interleave(b, 0),
+            v.repeat_interleave(b, 0),
+            sigmas[t],
+            sigmas[t + 1],
+            levels[t],
+            sigma_1=sigma_1,
+            noise=eps,
+            reduction=cfg.objective.logprob_reduction,
+        )
         x = res.next_latents
         latents.append(x)
         means.append(res.mean)
@@ -272,13 +321,26 @@ def rollout_tree(adapter, transformer, cond, keys, cfg, iteration: int = 0, spec
         stds.append(res.std)
         std_ts.append(res.std_t)
     traj = TreeTrajectory(
-        latents=torch.cat(latents), means=torch.cat(means), log_probs=torch.cat(log_probs), stds=torch.cat(stds),
-        std_ts=torch.cat(std_ts), noise=torch.cat(noises), parent=lay["parent"], depth=lay["depth"],
-        tree=lay["tree"], ordinal=lay["ordinal"], sigmas=sigmas.cpu(), step_kinds=kinds, noise_levels=levels,
-        spec=spec, root_keys=roots, cond_rows=cond_rows, keys=[(*r, j) for r in roots for j in range(spec.leaves)],
+        latents=torch.cat(latents),
+        means=torch.cat(means),
+        log_probs=torch.cat(log_probs),
+        stds=torch.cat(stds),
+        std_ts=torch.cat(std_ts),
+        noise=torch.cat(noises),
+        parent=lay["parent"],
+        depth=lay["depth"],
+        tree=lay["tree"],
+        ordinal=lay["ordinal"],
+        sigmas=sigmas.cpu(),
+        step_kinds=kinds,
+        noise_levels=levels,
+        spec=spec,
+        root_keys=roots,
+        cond_rows=cond_rows,
+        keys=[(*r, j) for r in roots for j in range(spec.leaves)],
         nfe=nfe,
     )
     leaves = traj.latents[traj.leaf_nodes()]
     bs = cfg.rollout.batch_size
-    traj.images = torch.cat([adapter.decode(leaves[s:s + bs]).float() for s in range(0, len(leaves), bs)])
+    traj.images = torch.cat([adapter.decode(leaves[s : s + bs]).float() for s in range(0, len(leaves), bs)])
     return traj

@@ -3,8 +3,9 @@
 Rectified-flow objective as in SD3 (Esser et al. 2024, Eq. 1 with the logit-normal
 timestep density of Sec. 3.1): x_sigma = (1 - sigma) x0 + sigma eps and the loss is the
 MSE to v = eps - x0. The transformer predicts x0 and the velocity is derived from it
-(x-prediction with v-loss, Li & He 2025), see ``diffrl.models.toy.velocity_from_output``. Captions are dropped to "" with probability ``caption_dropout``
-so classifier-free guidance is available. The text encoder trains jointly from scratch.
+(x-prediction with v-loss, Li & He 2025), see ``diffrl.models.toy.velocity_from_output``.
+Captions are dropped to "" with probability ``caption_dropout`` so classifier-free
+guidance is available. The text encoder trains jointly from scratch.
 
 ``caption_noise`` models noisy web captions: with that probability a caption's image shows
 a scene that violates one of its clauses (``shapeworld.corrupt``: a wrong count, colour or
@@ -60,8 +61,13 @@ class PretrainConfig:
     kind_weights: str = "1,1,1"  # relative frequency of count, pair and relation captions
 
 
-def batch_captions(prompts_by_kind: list[list[str]], rnd: random.Random, n: int, dropout: float,
-                   kind_weights: list[float] | None = None):
+def batch_captions(
+    prompts_by_kind: list[list[str]],
+    rnd: random.Random,
+    n: int,
+    dropout: float,
+    kind_weights: list[float] | None = None,
+):
     """``n`` (spec caption, conditioning caption) pairs, kinds drawn uniformly or in
     proportion to ``kind_weights`` (one per :data:`grammar.KINDS`)."""
     uniform = kind_weights is None or len(set(kind_weights)) == 1
@@ -83,13 +89,16 @@ def scene_specs(captions: list[str], noise: float, rnd: random.Random) -> list[g
     return [corrupt(s, rnd) if rnd.random() < noise else s for s in specs]
 
 
-def render_batch(specs: list[grammar.Spec], rnd: random.Random, resolution: int, grid: int | None) -> torch.Tensor:
+def render_batch(
+    specs: list[grammar.Spec], rnd: random.Random, resolution: int, grid: int | None
+) -> torch.Tensor:
     images = np.stack([render(s, rnd, resolution, grid) for s in specs])
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def flow_matching_loss(pipe: ToyPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator,
-                       location: float = 0.0):
+def flow_matching_loss(
+    pipe: ToyPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator, location: float = 0.0
+):
     """MSE between predicted and true velocity at logit-normal(location, 1) sigmas (SD3,
     Esser et al. 2024, Sec. 3.1: a positive location puts more training on high noise,
     where layout is decided)."""
@@ -108,9 +117,14 @@ def evaluate(pipe: ToyPipeline, prompts: list[str], steps: int, guidance: float,
     from rewards.shapeworld import ShapeWorldVerifier
 
     gen = torch.Generator().manual_seed(seed)
-    images = pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, generator=gen, output_type="pt")
+    images = pipe(
+        prompts, num_inference_steps=steps, guidance_scale=guidance, generator=gen, output_type="pt"
+    )
     scores = ShapeWorldVerifier()(images, prompts)
-    return {"strict": float(scores["shapeworld_strict"].mean()), "partial": float(scores["shapeworld_partial"].mean())}
+    return {
+        "strict": float(scores["shapeworld_strict"].mean()),
+        "partial": float(scores["shapeworld_partial"].mean()),
+    }
 
 
 def _save(pipe: ToyPipeline, ema: EMA, directory: Path) -> None:
@@ -141,7 +155,9 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         pairs = batch_captions(by_kind, rnd, cfg.batch_size, cfg.caption_dropout, kind_weights(cfg))
         # its own stream, so that caption_noise = 0 draws exactly the batches it always did
-        specs = scene_specs([c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
+        specs = scene_specs(
+            [c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise")
+        )
         x0 = render_batch(specs, rnd, cfg.resolution, cfg.grid or None)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, step / cfg.warmup)
@@ -153,8 +169,11 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
         ema.update()
         loss_acc += float(loss.detach())
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            row = {"step": step, "loss": loss_acc / (step - (history[-1]["step"] if history else 0)),
-                   "minutes": (time.time() - start) / 60}
+            row = {
+                "step": step,
+                "loss": loss_acc / (step - (history[-1]["step"] if history else 0)),
+                "minutes": (time.time() - start) / 60,
+            }
             loss_acc = 0.0
             row.update(_eval_ema(pipe, ema, evals, cfg))
             history.append(row)
@@ -174,8 +193,10 @@ def _initial_pipeline(cfg: PretrainConfig) -> ToyPipeline:
     pipe = ToyPipeline.from_pretrained(cfg.init)
     size = pipe.transformer.config.sample_size
     if size != cfg.resolution or pipe.config.prediction != cfg.prediction:
-        raise ValueError(f"--init '{cfg.init}' is a {size} px, {pipe.config.prediction}-prediction model; pass "
-                         f"--resolution {size} --prediction {pipe.config.prediction}")
+        raise ValueError(
+            f"--init '{cfg.init}' is a {size} px, {pipe.config.prediction}-prediction model; pass "
+            f"--resolution {size} --prediction {pipe.config.prediction}"
+        )
     return pipe
 
 
@@ -186,15 +207,19 @@ def kind_weights(cfg: PretrainConfig) -> list[float]:
     except ValueError:
         weights = []
     if len(weights) != len(grammar.KINDS) or min(weights) < 0 or sum(weights) <= 0:
-        raise ValueError(f"--kind-weights must be {len(grammar.KINDS)} non-negative numbers for "
-                         f"{', '.join(grammar.KINDS)} (for example 1,1,2), got '{cfg.kind_weights}'")
+        raise ValueError(
+            f"--kind-weights must be {len(grammar.KINDS)} non-negative numbers for "
+            f"{', '.join(grammar.KINDS)} (for example 1,1,2), got '{cfg.kind_weights}'"
+        )
     return weights
 
 
 def _validate(cfg: PretrainConfig) -> None:
     patch = 8  # build_components' default patch size
     if cfg.resolution % patch or cfg.resolution < 2 * patch:
-        raise ValueError(f"--resolution must be a multiple of {patch} and at least {2 * patch}, got {cfg.resolution}")
+        raise ValueError(
+            f"--resolution must be a multiple of {patch} and at least {2 * patch}, got {cfg.resolution}"
+        )
     if cfg.grid and not 4 <= cfg.grid <= cfg.resolution // 2:
         raise ValueError(f"--grid must be 0 (free layout) or 4..{cfg.resolution // 2} pixels, got {cfg.grid}")
     if cfg.prediction not in ("x0", "velocity"):

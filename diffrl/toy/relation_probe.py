@@ -54,8 +54,9 @@ def sample_placement(pipe, prompts: list[str], steps: int = 20, seed: int = 0) -
     out = {}
     for relation in RELATIONS:
         asked = [with_relation(p, relation) for p in prompts]
-        images = pipe(asked, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
-                      output_type="pt")
+        images = pipe(
+            asked, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed), output_type="pt"
+        )
         out[relation] = placement(asked, images)
     return out
 
@@ -76,12 +77,16 @@ def sensitivity(pipe, prompts: list[str], sigma: float = 0.8, seed: int = 0) -> 
         return pipe.velocity(x, s, embeds, pooled)
 
     base = output(left)
-    return {"relation_word": float((output(right) - base).abs().mean()),
-            "first_colour": float((output(recoloured) - base).abs().mean())}
+    return {
+        "relation_word": float((output(right) - base).abs().mean()),
+        "first_colour": float((output(recoloured) - base).abs().mean()),
+    }
 
 
 def _recolour_first(prompt: str) -> str:
     spec = grammar.parse(prompt)
     first, second = spec.groups
     colour = next(c for c in grammar.COLOURS if c != first.colour and (c, first.shape) != second.thing)
-    return grammar.Spec(spec.kind, (grammar.Group(first.count, colour, first.shape), second), spec.relation).caption()
+    return grammar.Spec(
+        spec.kind, (grammar.Group(first.count, colour, first.shape), second), spec.relation
+    ).caption()

@@ -56,15 +56,21 @@ def resolve_resume(spec: str, run_dir: Path, log=print) -> Path:
         path = Path(spec)
         problem = checkpoint_problem(path)
         if problem:
-            raise CheckpointError(f"--resume {spec}: {problem}; pass a complete checkpoint directory such as "
-                                  f"{checkpoint_root(run_dir)}/step-N, or --resume latest")
+            raise CheckpointError(
+                f"--resume {spec}: {problem}; pass a complete checkpoint directory such as "
+                f"{checkpoint_root(run_dir)}/step-N, or --resume latest"
+            )
         return path
-    latest = latest_complete(run_dir, log=lambda path, problem: log(f"note: --resume latest skips {path}: {problem}"))
+    latest = latest_complete(
+        run_dir, log=lambda path, problem: log(f"note: --resume latest skips {path}: {problem}")
+    )
     if latest is not None:
         return latest[1]
     what = "no complete checkpoint" if list_checkpoints(run_dir) else "no checkpoints"
-    raise CheckpointError(f"--resume latest: {what} under {checkpoint_root(run_dir)}; start over with --overwrite, "
-                          "or pass a checkpoint directory")
+    raise CheckpointError(
+        f"--resume latest: {what} under {checkpoint_root(run_dir)}; start over with --overwrite, "
+        "or pass a checkpoint directory"
+    )
 
 
 def latest_complete(run_dir: Path, log=None) -> tuple[int, Path] | None:
@@ -137,8 +143,10 @@ def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0) -> Path:
     accelerator.save_state(str(tmp))
     if accelerator.is_main_process:
         policy.save_pretrained(tmp)
-        save_file({k: v.contiguous().cpu() for k, v in policy.trainable_state_dict().items()},
-                  str(tmp / "trainable.safetensors"))
+        save_file(
+            {k: v.contiguous().cpu() for k, v in policy.trainable_state_dict().items()},
+            str(tmp / "trainable.safetensors"),
+        )
         save_config(cfg, tmp / "config.yaml")
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         meta = {"step": step, "diffrl_version": diffrl.__version__, "time": time.time(), "files": files}
@@ -171,17 +179,23 @@ def load_checkpoint(accelerator, policy, path: Path, model_cfg=None) -> int:
     try:
         state = load_file(str(path / "trainable.safetensors"), device="cpu")
     except Exception as err:  # noqa: BLE001 - any reader failure means a damaged file
-        raise CheckpointError(f"cannot resume from {path}: trainable.safetensors does not load ({err})") from None
+        raise CheckpointError(
+            f"cannot resume from {path}: trainable.safetensors does not load ({err})"
+        ) from None
     mismatch = weights_mismatch(state, dict(policy.trainable_named_parameters()))
     if mismatch:
-        raise CheckpointError(f"cannot resume from {path}: it holds a different model than this run's ({mismatch})"
-                              + model_settings_diff(path / "config.yaml", model_cfg))
+        raise CheckpointError(
+            f"cannot resume from {path}: it holds a different model than this run's ({mismatch})"
+            + model_settings_diff(path / "config.yaml", model_cfg)
+        )
     try:
         accelerator.load_state(str(path))
     except Exception as err:  # noqa: BLE001 - accelerate's pickles and optimizer state
         first = str(err).splitlines()[0] if str(err) else ""
-        raise CheckpointError(f"cannot resume from {path}: its optimizer / RNG state does not load "
-                              f"({type(err).__name__}: {first})") from None
+        raise CheckpointError(
+            f"cannot resume from {path}: its optimizer / RNG state does not load "
+            f"({type(err).__name__}: {first})"
+        ) from None
     policy.load_trainable_state_dict(state)
     return int(meta["step"])
 
@@ -190,8 +204,11 @@ def weights_mismatch(saved: dict, current: dict) -> str | None:
     """The first difference between saved and current trainable tensors, in words."""
     missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing or unexpected:
-        return (f"{len(missing)} of this run's trainable tensors are not in it and it has {len(unexpected)} this run "
-                f"lacks, e.g. '{(missing or unexpected)[0]}'")
+        return (
+            f"{len(missing)} of this run's trainable tensors are not in it and it has "
+            f"{len(unexpected)} this run "
+            f"lacks, e.g. '{(missing or unexpected)[0]}'"
+        )
     for name in sorted(current):
         if tuple(saved[name].shape) != tuple(current[name].shape):
             return f"'{name}' is {list(saved[name].shape)} there and {list(current[name].shape)} here"
@@ -219,7 +236,11 @@ def model_settings_diff(saved_config: Path, model_cfg) -> str:
                 diffs.append(f"{prefix}{key} is {x!r} there and {y!r} here")
 
     walk(saved, now, "model.")
-    return ("; " + "; ".join(diffs[:4]) + "; resume with the checkpoint's model settings (its config.yaml)") if diffs else ""
+    return (
+        ("; " + "; ".join(diffs[:4]) + "; resume with the checkpoint's model settings (its config.yaml)")
+        if diffs
+        else ""
+    )
 
 
 def install_accelerate_hooks(accelerator) -> None:

@@ -48,7 +48,11 @@ def progress_fields(metrics: dict) -> dict[str, str]:
     rollout policy and the share of clipped ratios (the raw policy loss is ~1e-6 and says
     little)."""
     fields = {}
-    for label, key, fmt in (("reward", "reward/mean", ".4g"), ("kl", "approx_kl", ".2e"), ("clipped", "clipfrac", ".0%")):
+    for label, key, fmt in (
+        ("reward", "reward/mean", ".4g"),
+        ("kl", "approx_kl", ".2e"),
+        ("clipped", "clipfrac", ".0%"),
+    ):
         v = _value(metrics, key)
         if v is not None:
             fields[label] = format(v, fmt)
@@ -58,14 +62,18 @@ def progress_fields(metrics: dict) -> dict[str, str]:
 def closing_lines(run_dir: Path, last_checkpoint: Path | None) -> str:
     """Where the run's outputs are, and the commands that show them."""
     run_dir = Path(run_dir)
-    lines = [f"metrics:     {run_dir / 'metrics.jsonl'}",
-             f"samples:     {run_dir / 'samples'}/step-N.png (the fixed evaluation prompts and noise)"]
+    lines = [
+        f"metrics:     {run_dir / 'metrics.jsonl'}",
+        f"samples:     {run_dir / 'samples'}/step-N.png (the fixed evaluation prompts and noise)",
+    ]
     if (run_dir / "logs").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'logs'}")
     lines.append(f"checkpoint:  {last_checkpoint}" if last_checkpoint else "checkpoint:  none saved")
     from diffrl.training.data import PROJECT_ROOT
 
     script = PROJECT_ROOT / "scripts" / "report.py"  # absolute: the run may start from any directory
-    lines.append(f"report:      python {script} {run_dir} --out {run_dir / 'report'}"
-                 f"  (writes {run_dir / 'report' / 'report.png'} and summary.md)")
+    lines.append(
+        f"report:      python {script} {run_dir} --out {run_dir / 'report'}"
+        f"  (writes {run_dir / 'report' / 'report.png'} and summary.md)"
+    )
     return "\n".join(lines)

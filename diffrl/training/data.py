@@ -42,12 +42,16 @@ def load_prompts(path: str | Path) -> list[str]:
     given = path
     path = resolve_prompt_path(path)
     if not path.is_file():
-        raise PromptFileError(f"prompt file '{given}' does not exist (looked in {Path.cwd()} and {PROJECT_ROOT}); "
-                              "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file")
+        raise PromptFileError(
+            f"prompt file '{given}' does not exist (looked in {Path.cwd()} and {PROJECT_ROOT}); "
+            "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise PromptFileError(f"prompt file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise PromptFileError(
+            f"prompt file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from None
     prompts = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -84,8 +88,10 @@ class SamplePlan:
         """Contiguous block of this process; groups may straddle processes (stats are gathered)."""
         n = len(self.prompts)
         if n % world:
-            raise ValueError(f"{n} samples per step cannot be split over {world} processes; make "
-                             "rollout.prompts_per_step * rollout.group_size divisible by the process count")
+            raise ValueError(
+                f"{n} samples per step cannot be split over {world} processes; make "
+                "rollout.prompts_per_step * rollout.group_size divisible by the process count"
+            )
         per = n // world
         sl = slice(rank * per, (rank + 1) * per)
         return sl, SamplePlan(self.prompts[sl], self.group_ids[sl], self.keys[sl])
@@ -95,8 +101,9 @@ def plan_step(prompts: list[str], seed: int, step: int, prompts_per_step: int, g
     """Choose ``prompts_per_step`` prompts for ``step`` (without replacement when possible)
     and lay out ``group_size`` samples of each."""
     gen = rng.generator(seed, "prompts", step)
-    order = torch.cat([torch.randperm(len(prompts), generator=gen)
-                       for _ in range(-(-prompts_per_step // len(prompts)))])[:prompts_per_step]
+    order = torch.cat(
+        [torch.randperm(len(prompts), generator=gen) for _ in range(-(-prompts_per_step // len(prompts)))]
+    )[:prompts_per_step]
     chosen, group_ids, keys = [], [], []
     for g, idx in enumerate(order.tolist()):
         for s in range(group_size):

@@ -60,34 +60,55 @@ def trained_step_count(fraction: float, n: int) -> int:
 def train_timesteps(trainable: list[int], fraction: float, *key, round_up: bool = False) -> list[int]:
     """A keyed random subset of :func:`trained_step_count` trainable steps (ceil(fraction
     * len) with ``round_up``), in time order."""
-    k = max(1, math.ceil(fraction * len(trainable))) if round_up else trained_step_count(fraction, len(trainable))
+    k = (
+        max(1, math.ceil(fraction * len(trainable)))
+        if round_up
+        else trained_step_count(fraction, len(trainable))
+    )
     if k >= len(trainable):
         return list(trainable)
     perm = torch.randperm(len(trainable), generator=rng.generator(*key))[:k]
     return sorted(trainable[i] for i in perm.tolist())
 
 
-def sample_major(n: int, trainable: list[int], cfg, step: int, epoch: int,
-                 anchored: list[int] = ()) -> list[list[Pass]]:
+def sample_major(
+    n: int, trainable: list[int], cfg, step: int, epoch: int, anchored: list[int] = ()
+) -> list[list[Pass]]:
     """Micro-batches of samples, each trained on a keyed subset of ``trainable`` steps.
     With ``anchored`` steps, each micro-batch also gets anchor passes on a keyed subset
     of them (``objective.anchor_fraction``); policy and anchor passes are normalised
     separately, so anchoring never rescales the policy loss."""
     mb, accum = cfg.train.micro_batch_size, cfg.train.gradient_accumulation
     order = torch.randperm(n, generator=rng.generator(cfg.seed, "shuffle", step, epoch)).tolist()
-    batches = [order[i:i + mb] for i in range(0, n, mb)]
+    batches = [order[i : i + mb] for i in range(0, n, mb)]
     anchored = list(anchored)
     groups = []
     for start in range(0, len(batches), accum):
-        chunk = list(enumerate(batches[start:start + accum]))
-        pairs = [(idx, t) for j, idx in chunk
-                 for t in train_timesteps(trainable, cfg.objective.timestep_fraction, cfg.seed, "t", step, epoch,
-                                          start, j)]
+        chunk = list(enumerate(batches[start : start + accum]))
+        pairs = [
+            (idx, t)
+            for j, idx in chunk
+            for t in train_timesteps(
+                trainable, cfg.objective.timestep_fraction, cfg.seed, "t", step, epoch, start, j
+            )
+        ]
         passes = [Pass(idx, t, (1, len(pairs))) for idx, t in pairs]
         if anchored:
-            extra = [(idx, t) for j, idx in chunk
-                     for t in train_timesteps(anchored, cfg.objective.anchor_fraction, cfg.seed, "anchor", step,
-                                              epoch, start, j, round_up=True)]
+            extra = [
+                (idx, t)
+                for j, idx in chunk
+                for t in train_timesteps(
+                    anchored,
+                    cfg.objective.anchor_fraction,
+                    cfg.seed,
+                    "anchor",
+                    step,
+                    epoch,
+                    start,
+                    j,
+                    round_up=True,
+                )
+            ]
             passes += [Pass(idx, t, (1, len(extra)), anchor=True) for idx, t in extra]
         groups.append(passes)
     return groups
@@ -103,8 +124,16 @@ def step_edge_counts(train: torch.Tensor, depth: torch.Tensor, cfg) -> dict[int,
     return counts
 
 
-def edge_major(train: torch.Tensor, depth: torch.Tensor, num_leaves: int, cfg, step: int, epoch: int,
-               keep: torch.Tensor | None = None, pad_to: dict[int, int] | None = None) -> list[list[Pass]]:
+def edge_major(
+    train: torch.Tensor,
+    depth: torch.Tensor,
+    num_leaves: int,
+    cfg,
+    step: int,
+    epoch: int,
+    keep: torch.Tensor | None = None,
+    pad_to: dict[int, int] | None = None,
+) -> list[list[Pass]]:
     """Passes over the nodes with ``train`` set (each node stands for its incoming edge,
     at step depth - 1); ``keep`` marks the ones whose loss is not masked out.
 
@@ -119,15 +148,16 @@ def edge_major(train: torch.Tensor, depth: torch.Tensor, num_leaves: int, cfg, s
     for t in sorted(set(counts) | set(pad_to or {})):
         edges = torch.nonzero(train & (depth - 1 == t)).flatten()
         perm = torch.randperm(len(edges), generator=rng.generator(cfg.seed, "edges", step, epoch, t))
-        edges = edges[perm[:counts.get(t, 0)]]
+        edges = edges[perm[: counts.get(t, 0)]]
         live = len(edges)
         target = max(live, (pad_to or {}).get(t, 0))
         if target > live:
             filler = torch.nonzero(depth - 1 == t).flatten()[:1]
             edges = torch.cat([edges, filler.repeat(target - live)])
         alive = torch.arange(target) < live
-        for i, (part, part_live) in enumerate(zip(torch.tensor_split(edges, n_groups),
-                                                  torch.tensor_split(alive, n_groups))):
+        for i, (part, part_live) in enumerate(
+            zip(torch.tensor_split(edges, n_groups), torch.tensor_split(alive, n_groups))
+        ):
             if len(part):
                 per_group[(i + t) % n_groups].append((t, part, part_live))
     return [_group_passes(parts, keep, cfg) for parts in per_group if parts]
@@ -146,7 +176,7 @@ def _group_passes(parts: list[tuple[int, torch.Tensor, torch.Tensor]], keep: tor
     for t, part, alive in parts:
         den = max(1, int(alive.sum())) * live_steps if cfg.tree.loss_weighting == "depth" else total
         for i in range(0, len(part), mb):
-            chunk, chunk_live = part[i:i + mb], alive[i:i + mb]
+            chunk, chunk_live = part[i : i + mb], alive[i : i + mb]
             kept = int((keep[chunk] & chunk_live).sum())
             live = None if bool(chunk_live.all()) else chunk_live.tolist()
             passes.append(Pass(chunk.tolist(), t, (kept, den), live))

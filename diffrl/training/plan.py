@@ -33,11 +33,16 @@ def _tree_numbers(cfg, trees_per_process: int) -> dict[str, float]:
     # as diffrl.training.passes.edge_major: timestep_fraction keeps that share of each step's edges
     trained = sum(max(1, math.ceil(cfg.objective.timestep_fraction * c)) for c in counts if c)
     if not trained:
-        raise ConfigError("the tree trains no edge at iteration 0: tree.depth_pruning, the SDE window and the "
-                          "single-node trunk before the first split leave nothing; prune fewer steps")
-    return {"nodes": trees_per_process * sum(spec.nodes_at(d) for d in range(spec.num_steps + 1)),
-            "nfe": trees_per_process * spec.nfe_per_tree(), "trained": trained,
-            "sde_steps": sum(k != "ode" for k in kinds)}
+        raise ConfigError(
+            "the tree trains no edge at iteration 0: tree.depth_pruning, the SDE window and the "
+            "single-node trunk before the first split leave nothing; prune fewer steps"
+        )
+    return {
+        "nodes": trees_per_process * sum(spec.nodes_at(d) for d in range(spec.num_steps + 1)),
+        "nfe": trees_per_process * spec.nfe_per_tree(),
+        "trained": trained,
+        "sde_steps": sum(k != "ode" for k in kinds),
+    }
 
 
 def _solrl_numbers(cfg) -> dict[str, float]:
@@ -59,12 +64,18 @@ def _solrl_numbers(cfg) -> dict[str, float]:
         regenerate = prompts * sum(min(spec.nodes_at(t), k) for t in range(steps))
         if cfg.objective.name != "nft":  # NFT trains the leaves, as independent samples
             out["trained_transitions_per_iteration_max"] = prompts * sum(
-                min(spec.nodes_at(t + 1), k) for t in range(steps)
-                if kinds[t] != "ode" and t not in pruned and spec.nodes_at(t + 1) > 1)
+                min(spec.nodes_at(t + 1), k)
+                for t in range(steps)
+                if kinds[t] != "ode" and t not in pruned and spec.nodes_at(t + 1) > 1
+            )
     else:
         explore_steps = (sol.explore_num_steps or steps) if sol.explore == "ode" else steps
         explore, regenerate = prompts * sol.pool_size * explore_steps, prompts * k * steps
-    return {**out, "solrl_explore_nfe_per_iteration": explore, "solrl_regenerate_nfe_per_iteration": regenerate}
+    return {
+        **out,
+        "solrl_explore_nfe_per_iteration": explore,
+        "solrl_regenerate_nfe_per_iteration": regenerate,
+    }
 
 
 def derive(cfg, num_processes: int = 1) -> dict[str, float]:
@@ -84,10 +95,16 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     traj_bytes = per_process * (3 * steps + 1) * latent_numel(cfg) * 4
     ref_mult = 2 if cfg.objective.kl_coef > 0 else 1
     rollout_nfe, trained_rows = samples * steps, samples * trained_steps
-    whole = "Sol-RL selects within each prompt's pool" if cfg.solrl.enabled else "rollout.strategy tree keeps each prompt's tree"
+    whole = (
+        "Sol-RL selects within each prompt's pool"
+        if cfg.solrl.enabled
+        else "rollout.strategy tree keeps each prompt's tree"
+    )
     if (cfg.solrl.enabled or cfg.rollout.strategy == "tree") and cfg.rollout.prompts_per_step % num_processes:
-        raise ConfigError(f"{whole} on one process: make rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) "
-                          f"divisible by the {num_processes} processes")
+        raise ConfigError(
+            f"{whole} on one process: make rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) "
+            f"divisible by the {num_processes} processes"
+        )
     solrl = {}
     if cfg.solrl.enabled:
         solrl = _solrl_numbers(cfg)
@@ -112,9 +129,15 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
         "rollout_nfe_per_leaf": rollout_nfe / samples,
         "rollout_nfe_vs_independent": rollout_nfe / (samples * steps),
         "rollout_transformer_rows_per_iteration": rollout_nfe * cfg_mult,
-        ("trained_transitions_per_iteration_max" if cfg.solrl.enabled and cfg.rollout.strategy == "tree"
-         and cfg.objective.name != "nft" else "trained_transitions_per_iteration"): trained_rows,
-        "training_transformer_rows_per_iteration": trained_rows * cfg.train.num_inner_epochs * cfg_mult * ref_mult,
+        (
+            "trained_transitions_per_iteration_max"
+            if cfg.solrl.enabled and cfg.rollout.strategy == "tree" and cfg.objective.name != "nft"
+            else "trained_transitions_per_iteration"
+        ): trained_rows,
+        "training_transformer_rows_per_iteration": trained_rows
+        * cfg.train.num_inner_epochs
+        * cfg_mult
+        * ref_mult,
         "optimizer_steps_per_iteration": opt_steps,
         "optimizer_steps_total": opt_steps * cfg.train.max_steps,
         "trajectory_buffer_mib_per_process": traj_bytes / 2**20,

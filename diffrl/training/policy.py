@@ -30,10 +30,15 @@ class Policy:
             devices = [transformer.device] if transformer.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(rng.derive_seed(seed, "lora_init"))
-                transformer.add_adapter(LoraConfig(
-                    r=model_cfg.lora.rank, lora_alpha=model_cfg.lora.alpha, lora_dropout=model_cfg.lora.dropout,
-                    init_lora_weights="gaussian", target_modules=targets,
-                ))
+                transformer.add_adapter(
+                    LoraConfig(
+                        r=model_cfg.lora.rank,
+                        lora_alpha=model_cfg.lora.alpha,
+                        lora_dropout=model_cfg.lora.dropout,
+                        init_lora_weights="gaussian",
+                        target_modules=targets,
+                    )
+                )
             for p in transformer.parameters():
                 if p.requires_grad:  # LoRA weights train in fp32 even when the base is bf16
                     p.data = p.data.float()
@@ -75,8 +80,10 @@ class Policy:
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:
-            raise ValueError(f"checkpoint weights do not match the policy (LoRA rank/targets or full_finetune "
-                             f"differ?): missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(
+                f"checkpoint weights do not match the policy (LoRA rank/targets or full_finetune "
+                f"differ?): missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(state[n])
@@ -149,7 +156,11 @@ class OldPolicy(EMA):
         self.flat, self.rate, self.maximum = flat, rate, maximum
 
     def decay_at(self, optimizer_steps: int) -> float:
-        return 0.0 if optimizer_steps < self.flat else min(self.rate * (optimizer_steps - self.flat), self.maximum)
+        return (
+            0.0
+            if optimizer_steps < self.flat
+            else min(self.rate * (optimizer_steps - self.flat), self.maximum)
+        )
 
     @torch.no_grad()
     def refresh(self, optimizer_steps: int) -> None:

@@ -28,7 +28,9 @@ def previous_run(run_dir: Path) -> list[str]:
     """What an earlier run left in ``run_dir`` (empty when there is none)."""
     run_dir = Path(run_dir)
     found = [name for name in RUN_FILES if (run_dir / name).is_file()]
-    found += [f"{name}/" for name in RUN_DIRS if (run_dir / name).is_dir() and any((run_dir / name).iterdir())]
+    found += [
+        f"{name}/" for name in RUN_DIRS if (run_dir / name).is_dir() and any((run_dir / name).iterdir())
+    ]
     return found
 
 
@@ -37,8 +39,10 @@ def ensure_fresh(run_dir: Path) -> None:
     found = previous_run(run_dir)
     if found:
         raise RunDirInUseError(
-            f"output_dir '{run_dir}' already holds a run ({', '.join(found)}). Continue it with --resume latest, "
-            f"start elsewhere with --set output_dir=NEW_DIR, or replace it with --overwrite (deletes those)")
+            f"output_dir '{run_dir}' already holds a run ({', '.join(found)}). Continue it with "
+            "--resume latest, "
+            f"start elsewhere with --set output_dir=NEW_DIR, or replace it with --overwrite (deletes those)"
+        )
 
 
 def clear(run_dir: Path) -> list[str]:

@@ -53,8 +53,10 @@ def installed_trackers(names: list[str], log=print) -> list[str]:
     kept = []
     for name in names:  # accelerate's tracker names are their packages' import names
         if importlib.util.find_spec(name) is None:
-            log(f"note: logging.trackers names '{name}' but it is not installed (pip install {name}); "
-                "logging to metrics.jsonl only for it")
+            log(
+                f"note: logging.trackers names '{name}' but it is not installed (pip install {name}); "
+                "logging to metrics.jsonl only for it"
+            )
         else:
             kept.append(name)
     return kept
@@ -84,7 +86,9 @@ class Trainer:
         self.train_prompts = load_prompts(cfg.data.train_prompts)
         evaluating = bool(cfg.eval.every or cfg.eval.at_start)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts) if evaluating else []
-        self.train_eval_prompts = spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
+        self.train_eval_prompts = (
+            spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
+        )
         self.reward_fn = MultiReward(cfg.rewards)
         self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
         self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
@@ -98,15 +102,22 @@ class Trainer:
         self.policy = Policy(self.adapter, cfg.model, cfg.seed)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
         self.rollout_model = compiled(self.adapter.transformer, cfg.perf)
-        opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps)
+        opt = torch.optim.AdamW(
+            self.policy.trainable_parameters(),
+            lr=cfg.optim.lr,
+            betas=tuple(cfg.optim.betas),
+            weight_decay=cfg.optim.weight_decay,
+            eps=cfg.optim.eps,
+        )
         self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
         # Not passed through prepare(): accelerate would step it once per *process* per
         # optimizer step, while our step counts are already per optimizer step.
         self.scheduler = make_lr_scheduler(self.optimizer, cfg, int(self.numbers["optimizer_steps_total"]))
         self.counters = UpdateCounters()
         self.acc.register_for_checkpointing(self.scheduler)
-        self.ema = EMA(self.policy.trainable_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        self.ema = (
+            EMA(self.policy.trainable_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        )
         self.acc.register_for_checkpointing(self.counters)
         if self.ema is not None:
             self.acc.register_for_checkpointing(self.ema)
@@ -114,14 +125,31 @@ class Trainer:
         self.old_policy = None
         if self.objective.needs_old_policy:
             o = cfg.objective
-            self.old_policy = OldPolicy(self.policy.trainable_parameters(), o.nft_old_decay_flat, o.nft_old_decay_rate,
-                                        o.nft_old_decay_max)
+            self.old_policy = OldPolicy(
+                self.policy.trainable_parameters(),
+                o.nft_old_decay_flat,
+                o.nft_old_decay_rate,
+                o.nft_old_decay_max,
+            )
             self.acc.register_for_checkpointing(self.old_policy)
-        self.updater = Updater(self.acc, self.policy, self.adapter, self.model, self.optimizer, self.scheduler,
-                               self.objective, cfg, self.counters, self.ema, self.old_policy)
+        self.updater = Updater(
+            self.acc,
+            self.policy,
+            self.adapter,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.objective,
+            cfg,
+            self.counters,
+            self.ema,
+            self.old_policy,
+        )
         self.solrl = None
         if cfg.solrl.enabled:
-            self.solrl = SolRLStage(cfg, self.adapter, self.adapter.transformer, self.reward_fn, log=self.acc.print)
+            self.solrl = SolRLStage(
+                cfg, self.adapter, self.adapter.transformer, self.reward_fn, log=self.acc.print
+            )
             self.updater.after_step.append(self.solrl.mark_stale)
         self.step = 0
 
@@ -135,11 +163,27 @@ class Trainer:
         sl, local = plan.shard(self.acc.process_index, self.acc.num_processes)
         cond = self.adapter.encode_prompts(local.prompts)
         if self.solrl is not None:
-            out = self.solrl.run(self.adapter, self.adapter.transformer, cond, local.prompts, local.keys, step,
-                                 self.acc.autocast, rollout_model=self.rollout_model)
-            groups = local.group_ids.reshape(-1, size)[:, :cfg.rollout.group_size].flatten()
-            return Rollout(out.traj, out.cond, groups, out.total, out.components, out.logs, out.metrics,
-                           out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"])
+            out = self.solrl.run(
+                self.adapter,
+                self.adapter.transformer,
+                cond,
+                local.prompts,
+                local.keys,
+                step,
+                self.acc.autocast,
+                rollout_model=self.rollout_model,
+            )
+            groups = local.group_ids.reshape(-1, size)[:, : cfg.rollout.group_size].flatten()
+            return Rollout(
+                out.traj,
+                out.cond,
+                groups,
+                out.total,
+                out.components,
+                out.logs,
+                out.metrics,
+                out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"],
+            )
         clock = StageClock(self.acc.device)
         # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
         weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
@@ -161,7 +205,7 @@ class Trainer:
         sizes = self.acc.gather(torch.tensor([t.shape[0]], device=self.acc.device)).cpu().tolist()
         padded = self.acc.gather(pad_across_processes(t, dim=0)).cpu()
         width = max(sizes)
-        return torch.cat([padded[i * width:i * width + n] for i, n in enumerate(sizes)])
+        return torch.cat([padded[i * width : i * width + n] for i, n in enumerate(sizes)])
 
     def credit(self, r: Rollout, step: int) -> Credit:
         """Advantages over the whole batch: per group for independent samples, per (tree,
@@ -172,8 +216,16 @@ class Trainer:
         """Gather rewards and group ids from every process and normalise over whole groups."""
         all_total, all_groups = self.gather(r.total), self.gather(r.groups)
         a = self.cfg.advantage
-        adv = compute_advantages(all_total, all_groups, a.estimator, a.eps, a.filter_zero_std,
-                                 self.gather(r.components), self.reward_fn.weights, a.std)
+        adv = compute_advantages(
+            all_total,
+            all_groups,
+            a.estimator,
+            a.eps,
+            a.filter_zero_std,
+            self.gather(r.components),
+            self.reward_fn.weights,
+            a.std,
+        )
         n, rank = len(r.total), self.acc.process_index
         sl = slice(rank * n, (rank + 1) * n)
         return Credit(all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction, adv.dropped_groups)
@@ -181,13 +233,28 @@ class Trainer:
     def tree_advantages(self, r: Rollout, step: int) -> Credit:
         """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""
         traj = r.traj
-        credit = tree_credit(traj, r.total, r.components, self.cfg, step, self.reward_fn.weights, self.gather,
-                             self.acc.process_index)
+        credit = tree_credit(
+            traj,
+            r.total,
+            r.components,
+            self.cfg,
+            step,
+            self.reward_fn.weights,
+            self.gather,
+            self.acc.process_index,
+        )
         counts = self.gather(torch.tensor([[int(credit.train.sum()), int((traj.depth > 0).sum())]])).sum(0)
         # all processes; edges left after pruning, before objective.timestep_fraction subsamples them
         stats = {"tree/edges_after_pruning": int(counts[0]), "tree/edges": int(counts[1])}
-        return Credit(self.gather(r.total), credit.advantages, credit.keep, credit.filtered_fraction,
-                      credit.dropped_groups, credit.train, stats)
+        return Credit(
+            self.gather(r.total),
+            credit.advantages,
+            credit.keep,
+            credit.filtered_fraction,
+            credit.dropped_groups,
+            credit.train,
+            stats,
+        )
 
     def across_processes(self, local: dict) -> dict:
         """Per-process stage metrics over all processes: NFE and sync counts are summed,
@@ -226,11 +293,16 @@ class Trainer:
         nfe = int(self.gather(torch.tensor([r.nfe])).sum())  # all processes
         finite = all_total[torch.isfinite(all_total)]
         none = torch.tensor(float("nan"))  # logged as null: no finite reward this iteration
-        metrics = {"reward/mean": finite.mean() if len(finite) else none,
-                   "reward/std": finite.std(unbiased=False) if len(finite) else none,
-                   "reward/nonfinite_samples": len(all_total) - len(finite), "advantage/dropped_groups": dropped,
-                   "advantage/filtered_fraction": credit.filtered_fraction, "rollout/nfe": nfe,
-                   "rollout/nfe_per_leaf": nfe / len(all_total), **extra}
+        metrics = {
+            "reward/mean": finite.mean() if len(finite) else none,
+            "reward/std": finite.std(unbiased=False) if len(finite) else none,
+            "reward/nonfinite_samples": len(all_total) - len(finite),
+            "advantage/dropped_groups": dropped,
+            "advantage/filtered_fraction": credit.filtered_fraction,
+            "rollout/nfe": nfe,
+            "rollout/nfe_per_leaf": nfe / len(all_total),
+            **extra,
+        }
         for name, values in r.logs.items():
             values = self.gather(values)
             if not bool(torch.isnan(values).all()):  # NaN: the score does not apply to that sample
@@ -248,9 +320,14 @@ class Trainer:
             # DiffusionNFT's schedule is a function of the optimizer steps completed so far
             # (its global_step after this epoch's update), not of the iteration index
             self.old_policy.refresh(self.counters.optimizer_steps)
-        metrics.update({"skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
-                        "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,
-                        "optimizer_steps": self.counters.optimizer_steps, "lr": self.scheduler.get_last_lr()[0]})
+        metrics.update(
+            {
+                "skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
+                "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,
+                "optimizer_steps": self.counters.optimizer_steps,
+                "lr": self.scheduler.get_last_lr()[0],
+            }
+        )
         return metrics
 
     def evaluate(self) -> dict:
@@ -260,12 +337,28 @@ class Trainer:
             sheets = self.cfg.run_dir / "samples"
             if self.acc.is_main_process:
                 sheets.mkdir(parents=True, exist_ok=True)
-            out = evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn, self.eval_prompts,
-                           self.cfg, sheet_path=sheets / f"step-{self.step}.png")
+            out = evaluate(
+                self.acc,
+                self.adapter,
+                self.adapter.transformer,
+                self.reward_fn,
+                self.eval_prompts,
+                self.cfg,
+                sheet_path=sheets / f"step-{self.step}.png",
+            )
             if self.train_eval_prompts:
-                out.update(evaluate(self.acc, self.adapter, self.adapter.transformer, self.reward_fn,
-                                    self.train_eval_prompts, self.cfg, prefix="eval_train",
-                                    num_prompts=len(self.train_eval_prompts)))
+                out.update(
+                    evaluate(
+                        self.acc,
+                        self.adapter,
+                        self.adapter.transformer,
+                        self.reward_fn,
+                        self.train_eval_prompts,
+                        self.cfg,
+                        prefix="eval_train",
+                        num_prompts=len(self.train_eval_prompts),
+                    )
+                )
             return out
 
     # -- loop -----------------------------------------------------------------------------
@@ -290,8 +383,12 @@ class Trainer:
         if cfg.eval.at_start and self.step == 0:
             history.append(logger.log(0, self.evaluate()))
             say(self.acc, eval_line(0, history[-1], self.headline_metrics()))
-        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (cfg.logging.progress_bar and self.acc.is_local_main_process),
-                   desc="train")
+        bar = tqdm(
+            total=cfg.train.max_steps,
+            initial=self.step,
+            disable=not (cfg.logging.progress_bar and self.acc.is_local_main_process),
+            desc="train",
+        )
         while self.step < cfg.train.max_steps:
             before = (self.counters.optimizer_steps, self.counters.skipped_nonfinite_loss)
             metrics = self.train_step(self.step)
@@ -325,8 +422,11 @@ class Trainer:
         c.iterations_without_update += 1
         say(self.acc, no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
         latest = ckpt.latest_complete(self.cfg.run_dir)
-        check_stalled(c.iterations_without_update, self.cfg.train.max_skipped_iterations,
-                      str(latest[1]) if latest else None)
+        check_stalled(
+            c.iterations_without_update,
+            self.cfg.train.max_skipped_iterations,
+            str(latest[1]) if latest else None,
+        )
 
     def headline_metrics(self) -> tuple[str, ...]:
         """Listed first in the summary: a verifier's strict score (``<reward>_strict``, as

@@ -48,8 +48,20 @@ def _any_process(accelerator, flag: bool) -> bool:
 class Updater:
     """Runs the objective over a trajectory and steps the optimizer."""
 
-    def __init__(self, accelerator, policy, adapter, model, optimizer, scheduler, objective, cfg,
-                 counters: UpdateCounters, ema=None, old_policy=None):
+    def __init__(
+        self,
+        accelerator,
+        policy,
+        adapter,
+        model,
+        optimizer,
+        scheduler,
+        objective,
+        cfg,
+        counters: UpdateCounters,
+        ema=None,
+        old_policy=None,
+    ):
         self.acc, self.policy, self.adapter, self.model = accelerator, policy, adapter, model
         self.optimizer, self.scheduler, self.objective, self.cfg = optimizer, scheduler, objective, cfg
         self.counters, self.ema, self.old_policy = counters, ema, old_policy
@@ -68,14 +80,20 @@ class Updater:
 
         old_velocity = None
         if self.old_policy is not None:
+
             def old_velocity(x, sigma, cond):
                 # swaps the old weights into the live parameters: call before the policy
                 # forward whose graph is kept, never between it and backward
                 with torch.no_grad(), self.old_policy.swapped_in():
                     return self.adapter.velocity(self.model, x, sigma, cond, guidance=guidance)
 
-        return LossContext(policy_velocity, reference_velocity, self.cfg.objective, self.cfg.sampling.noise_level,
-                           old_velocity)
+        return LossContext(
+            policy_velocity,
+            reference_velocity,
+            self.cfg.objective,
+            self.cfg.sampling.noise_level,
+            old_velocity,
+        )
 
     def run(self, traj, cond, credit, step: int) -> dict[str, float]:
         """Update on ``traj`` with ``credit`` (a :class:`~diffrl.training.stages.Credit`).
@@ -88,8 +106,14 @@ class Updater:
             # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
             trainable = list(range(traj.num_steps)) if self.forward_process else traj.trainable_steps()
             if not trainable:
-                raise ValueError("no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty")
-            anchored = [t for t in range(traj.num_steps) if t not in trainable] if cfg.objective.anchor_coef > 0 else []
+                raise ValueError(
+                    "no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty"
+                )
+            anchored = (
+                [t for t in range(traj.num_steps) if t not in trainable]
+                if cfg.objective.anchor_coef > 0
+                else []
+            )
 
             def plan(epoch):
                 return sample_major(len(traj.keys), trainable, cfg, step, epoch, anchored)
@@ -101,6 +125,7 @@ class Updater:
 
             def plan(epoch):
                 return edge_major(train, traj.depth, traj.num_leaves, cfg, step, epoch, keep, pad_to)
+
         totals: dict[str, list[float]] = defaultdict(list)
         for epoch in range(cfg.train.num_inner_epochs):
             for passes in plan(epoch):
@@ -119,7 +144,9 @@ class Updater:
         everywhere = self.acc.gather(local.unsqueeze(0).to(self.acc.device)).cpu().amax(0)
         return {t: int(n) for t, n in enumerate(everywhere.tolist()) if n > 0}
 
-    def _optimizer_step(self, ctx, traj, cond, advantages, keep, passes: list[Pass], totals, epoch: int = 0) -> None:
+    def _optimizer_step(
+        self, ctx, traj, cond, advantages, keep, passes: list[Pass], totals, epoch: int = 0
+    ) -> None:
         """Accumulate gradients over ``passes``, then step once."""
         bad = False
         for i, p in enumerate(passes):
@@ -140,7 +167,9 @@ class Updater:
                 totals[k].append(float(v))
         grad_norm = None
         if not bad and self.cfg.optim.max_grad_norm > 0:
-            grad_norm = self.acc.clip_grad_norm_(self.policy.trainable_parameters(), self.cfg.optim.max_grad_norm)
+            grad_norm = self.acc.clip_grad_norm_(
+                self.policy.trainable_parameters(), self.cfg.optim.max_grad_norm
+            )
             bad = _any_process(self.acc, not bool(torch.isfinite(grad_norm)))
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
@@ -163,10 +192,17 @@ class Updater:
         ix = torch.as_tensor(p.rows)
         sigmas = traj.sigmas.to(device)
         return StepBatch(
-            x_t=x_t.to(device), x_next=x_next.to(device), sigma=sigmas[t], sigma_next=sigmas[t + 1],
-            sigma_1=float(traj.sigmas[1]) if len(traj.sigmas) > 1 else None, kind=traj.step_kinds[t],
-            old_log_prob=old_log_prob.to(device), advantages=advantages[ix].to(device), cond=cond.select(cond_rows),
-            weights=(keep[ix] & self._live(p)).float().to(device), noise_level=traj.noise_levels[t] if traj.noise_levels else None,
+            x_t=x_t.to(device),
+            x_next=x_next.to(device),
+            sigma=sigmas[t],
+            sigma_next=sigmas[t + 1],
+            sigma_1=float(traj.sigmas[1]) if len(traj.sigmas) > 1 else None,
+            kind=traj.step_kinds[t],
+            old_log_prob=old_log_prob.to(device),
+            advantages=advantages[ix].to(device),
+            cond=cond.select(cond_rows),
+            weights=(keep[ix] & self._live(p)).float().to(device),
+            noise_level=traj.noise_levels[t] if traj.noise_levels else None,
         )
 
     @staticmethod

@@ -35,4 +35,6 @@ def check_stalled(in_a_row: int, limit: int, last_checkpoint: str | None) -> Non
     raise TrainingStalledError(
         f"stopped: {in_a_row} iteration(s) in a row applied no update (non-finite rewards or losses; see "
         f"reward/nonfinite_samples and skipped/nonfinite_loss in metrics.jsonl); {where}. Check the reward "
-        "model on these prompts, or lower optim.lr; train.max_skipped_iterations sets the limit (0: never stop)")
+        "model on these prompts, or lower optim.lr; train.max_skipped_iterations sets the limit "
+        "(0: never stop)"
+    )

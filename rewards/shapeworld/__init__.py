@@ -15,5 +15,13 @@ from rewards.shapeworld.verifier import (
     verify,
 )
 
-__all__ = ["Detection", "ShapeWorldVerifier", "Verdict", "breakdown", "classify_shape", "connected_components",
-           "detect", "verify"]
+__all__ = [
+    "Detection",
+    "ShapeWorldVerifier",
+    "Verdict",
+    "breakdown",
+    "classify_shape",
+    "connected_components",
+    "detect",
+    "verify",
+]

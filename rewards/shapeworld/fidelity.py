@@ -51,8 +51,13 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
 
 
-def fidelity(batch: torch.Tensor, fg_threshold: float = 0.3, halo: int = 1, stray_threshold: float = 0.05,
-             palette_tolerance: float = 0.15) -> dict[str, torch.Tensor]:
+def fidelity(
+    batch: torch.Tensor,
+    fg_threshold: float = 0.3,
+    halo: int = 1,
+    stray_threshold: float = 0.05,
+    palette_tolerance: float = 0.15,
+) -> dict[str, torch.Tensor]:
     """Per-image fidelity measures of a (B, 3, H, W) batch in [0, 1] (see the module doc).
 
     ``fg_threshold`` is the verifier's: a pixel is an object pixel when some channel is

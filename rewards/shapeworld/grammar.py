@@ -82,7 +82,9 @@ GRAMMAR_HELP = (
 def _group(number: str, colour: str, shape: str, plural: str, prompt: str) -> Group:
     count = NUMBERS[number]
     if (count > 1) != bool(plural):
-        raise PromptGrammarError(f"prompt '{prompt}': '{number} {shape}{plural}' has the wrong plural. {GRAMMAR_HELP}")
+        raise PromptGrammarError(
+            f"prompt '{prompt}': '{number} {shape}{plural}' has the wrong plural. {GRAMMAR_HELP}"
+        )
     return Group(count, colour, shape)
 
 
@@ -95,7 +97,9 @@ def parse(prompt: str) -> Spec:
         g = m.groups()
         first, second = _group(*g[0:4], prompt), _group(*g[5:9], prompt)
         if first.count != 1 or second.count != 1:
-            raise PromptGrammarError(f"prompt '{prompt}': two-object prompts take one object each. {GRAMMAR_HELP}")
+            raise PromptGrammarError(
+                f"prompt '{prompt}': two-object prompts take one object each. {GRAMMAR_HELP}"
+            )
         if first.thing == second.thing:
             raise PromptGrammarError(f"prompt '{prompt}': the two objects must differ. {GRAMMAR_HELP}")
         kind, relation = ("pair", None) if g[4] == "and" else ("relation", g[4])
@@ -157,8 +161,11 @@ def write_prompt_files(directory, seed: int = 0) -> None:
     from pathlib import Path
 
     train, heldout = split(seed)
-    header = (f"# ShapeWorld {{}} prompts: rewards.shapeworld.grammar.split(seed={seed}); regenerate with\n"
-              "# python -c \"from rewards.shapeworld.grammar import write_prompt_files; write_prompt_files('assets/shapeworld')\"\n")
+    header = (
+        f"# ShapeWorld {{}} prompts: rewards.shapeworld.grammar.split(seed={seed}); regenerate with\n"
+        '# python -c "from rewards.shapeworld.grammar import write_prompt_files; '
+        "write_prompt_files('assets/shapeworld')\"\n"
+    )
     for name, prompts in (("train", train), ("heldout", heldout)):
         text = header.format(name) + "".join(p + "\n" for p in prompts)
         (Path(directory) / f"{name}.txt").write_text(text)

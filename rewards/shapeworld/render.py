@@ -25,8 +25,12 @@ PALETTE = {
 BACKGROUND = (255, 255, 255)
 GAP = 2  # minimum empty pixels between two objects' boxes, so components never touch
 RELATION_MARGIN = 6  # rendered relations: centres at least this far apart along the axis
-OPPOSITE = {"to the left of": "to the right of", "to the right of": "to the left of",
-            "above": "below", "below": "above"}
+OPPOSITE = {
+    "to the left of": "to the right of",
+    "to the right of": "to the left of",
+    "above": "below",
+    "below": "above",
+}
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def draw(objects: list[Placed], resolution: int = 32) -> np.ndarray:
     image = np.empty((resolution, resolution, 3), dtype=np.uint8)
     image[:] = BACKGROUND
     for o in objects:
-        region = image[o.y:o.y + o.size, o.x:o.x + o.size]
+        region = image[o.y : o.y + o.size, o.x : o.x + o.size]
         region[shape_mask(o.shape, o.size)] = PALETTE[o.colour]
     return image
 
@@ -74,8 +78,12 @@ def _size_range(num_objects: int, resolution: int) -> tuple[int, int]:
 
 
 def _apart(a: Placed, b: Placed) -> bool:
-    return (a.x + a.size + GAP <= b.x or b.x + b.size + GAP <= a.x
-            or a.y + a.size + GAP <= b.y or b.y + b.size + GAP <= a.y)
+    return (
+        a.x + a.size + GAP <= b.x
+        or b.x + b.size + GAP <= a.x
+        or a.y + a.size + GAP <= b.y
+        or b.y + b.size + GAP <= a.y
+    )
 
 
 def relation_holds(a: Placed, b: Placed, relation: str, margin: float) -> bool:
@@ -89,7 +97,9 @@ def relation_holds(a: Placed, b: Placed, relation: str, margin: float) -> bool:
     }[relation]
 
 
-def _random_box(num_objects: int, rnd: random.Random, resolution: int, grid: int | None) -> tuple[int, int, int]:
+def _random_box(
+    num_objects: int, rnd: random.Random, resolution: int, grid: int | None
+) -> tuple[int, int, int]:
     """(x, y, size): free pixel placement, or one object per cell of a ``grid``-pixel
     lattice (side ``grid - 2``, centred), which matches a patch-``grid`` transformer's
     tokens: every object is then drawn by exactly one token."""
@@ -101,8 +111,9 @@ def _random_box(num_objects: int, rnd: random.Random, resolution: int, grid: int
     return rnd.randint(0, resolution - size), rnd.randint(0, resolution - size), size
 
 
-def layout(spec: Spec, rnd: random.Random, resolution: int = 32, grid: int | None = None,
-           max_tries: int = 1000) -> list[Placed]:
+def layout(
+    spec: Spec, rnd: random.Random, resolution: int = 32, grid: int | None = None, max_tries: int = 1000
+) -> list[Placed]:
     """Random non-touching placement of every object of ``spec`` satisfying its relation."""
     things = [g.thing for g in spec.groups for _ in range(g.count)]
     for _ in range(max_tries):

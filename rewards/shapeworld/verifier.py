@@ -70,12 +70,12 @@ def connected_components(labels: torch.Tensor) -> torch.Tensor:
     ids = torch.where(labels >= 0, ids, torch.full_like(ids, big))
     pad_lab = torch.nn.functional.pad(labels, (1, 1, 1, 1), value=-1)
     neighbours = [(0, 1), (2, 1), (1, 0), (1, 2)]  # up, down, left, right in padded coords
-    same = [pad_lab[:, dy:dy + h, dx:dx + w] == labels for dy, dx in neighbours]
+    same = [pad_lab[:, dy : dy + h, dx : dx + w] == labels for dy, dx in neighbours]
     for _ in range(h * w):
         pad_ids = torch.nn.functional.pad(ids, (1, 1, 1, 1), value=big)
         new = ids
         for (dy, dx), ok in zip(neighbours, same):
-            new = torch.minimum(new, torch.where(ok, pad_ids[:, dy:dy + h, dx:dx + w], big))
+            new = torch.minimum(new, torch.where(ok, pad_ids[:, dy : dy + h, dx : dx + w], big))
         new = torch.where(labels >= 0, new, big)
         if torch.equal(new, ids):
             break
@@ -133,8 +133,16 @@ def _components(comp: torch.Tensor, labels: torch.Tensor, min_pixels: int) -> li
         if area[k] < min_pixels:
             continue
         fill = float(area[k] / (bw[k] * bh[k]))
-        out.append(Detection(_NAMES[int(colour[k])], classify_shape(fill), float(sum_x[k] / area[k]),
-                             float(sum_y[k] / area[k]), int(area[k]), round(fill, 3)))
+        out.append(
+            Detection(
+                _NAMES[int(colour[k])],
+                classify_shape(fill),
+                float(sum_x[k] / area[k]),
+                float(sum_y[k] / area[k]),
+                int(area[k]),
+                round(fill, 3),
+            )
+        )
     return out
 
 
@@ -152,16 +160,30 @@ def verify(prompt: str, detections: list[Detection], margin: float = 2.0) -> Ver
     clauses = []
     found = {g.thing: [d for d in detections if (d.colour, d.shape) == g.thing] for g in spec.groups}
     for g in spec.groups:
-        clauses.append({"clause": f"exactly {g.text()}", "ok": len(found[g.thing]) == g.count,
-                        "found": len(found[g.thing])})
+        clauses.append(
+            {
+                "clause": f"exactly {g.text()}",
+                "ok": len(found[g.thing]) == g.count,
+                "found": len(found[g.thing]),
+            }
+        )
     if spec.relation:
         a, b = spec.groups
-        ok = any(relation_holds(_as_box(da), _as_box(db), spec.relation, margin)
-                 for da in found[a.thing] for db in found[b.thing])
+        ok = any(
+            relation_holds(_as_box(da), _as_box(db), spec.relation, margin)
+            for da in found[a.thing]
+            for db in found[b.thing]
+        )
         clauses.append({"clause": f"{a.text()} {spec.relation} {b.text()}", "ok": ok})
     satisfied = sum(c["ok"] for c in clauses)
-    return Verdict(prompt, float(satisfied == len(clauses)), satisfied / len(clauses), clauses, detections,
-                   kind=spec.kind)
+    return Verdict(
+        prompt,
+        float(satisfied == len(clauses)),
+        satisfied / len(clauses),
+        clauses,
+        detections,
+        kind=spec.kind,
+    )
 
 
 NAN = float("nan")
@@ -174,11 +196,16 @@ def breakdown(verdicts: list[Verdict]) -> dict[str, torch.Tensor]:
     prompts whose objects are right, whether the relation holds
     (``shapeworld_clause/relation_given_objects``; about 0.43 when placement ignores the
     relation word)."""
-    out = {f"shapeworld_kind/{k}": torch.tensor([v.strict if v.kind == k else NAN for v in verdicts])
-           for k in grammar.KINDS}
-    out["shapeworld_clause/objects"] = torch.tensor([float(v.objects_ok()) if v.kind else NAN for v in verdicts])
+    out = {
+        f"shapeworld_kind/{k}": torch.tensor([v.strict if v.kind == k else NAN for v in verdicts])
+        for k in grammar.KINDS
+    }
+    out["shapeworld_clause/objects"] = torch.tensor(
+        [float(v.objects_ok()) if v.kind else NAN for v in verdicts]
+    )
     out["shapeworld_clause/relation_given_objects"] = torch.tensor(
-        [float(v.relation_ok()) if v.kind == "relation" and v.objects_ok() else NAN for v in verdicts])
+        [float(v.relation_ok()) if v.kind == "relation" and v.objects_ok() else NAN for v in verdicts]
+    )
     return out
 
 
@@ -196,8 +223,14 @@ class ShapeWorldVerifier:
 
     name = "shapeworld"
 
-    def __init__(self, score: str = "partial", fg_threshold: float = 0.3, min_area: int = 10,
-                 relation_margin: float = 2.0, background_penalty: float = 0.0):
+    def __init__(
+        self,
+        score: str = "partial",
+        fg_threshold: float = 0.3,
+        min_area: int = 10,
+        relation_margin: float = 2.0,
+        background_penalty: float = 0.0,
+    ):
         if score not in ("partial", "strict", "mean"):
             raise ValueError(f"shapeworld: score must be 'partial', 'strict' or 'mean', got '{score}'")
         if not background_penalty >= 0:
@@ -214,9 +247,13 @@ class ShapeWorldVerifier:
             except grammar.PromptGrammarError:
                 bad.append(p)
         if bad:
-            shown = "; ".join(repr(p) for p in bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
+            shown = "; ".join(repr(p) for p in bad[:5]) + (
+                f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            )
             raise grammar.PromptGrammarError(
-                f"shapeworld reward: {len(bad)} prompt(s) outside the grammar: {shown}. {grammar.GRAMMAR_HELP}")
+                f"shapeworld reward: {len(bad)} prompt(s) outside the grammar: {shown}. "
+                f"{grammar.GRAMMAR_HELP}"
+            )
 
     def __call__(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         images = to_tensor_batch(images).float()
@@ -232,5 +269,10 @@ class ShapeWorldVerifier:
         score = {"partial": partial, "strict": strict, "mean": (strict + partial) / 2}[self.score]
         if self.background_penalty:
             score = score - self.background_penalty * damage["fidelity/stray_pixels"]
-        return {self.name: score, "shapeworld_strict": strict, "shapeworld_partial": partial, **damage,
-                **breakdown(verdicts)}
+        return {
+            self.name: score,
+            "shapeworld_strict": strict,
+            "shapeworld_partial": partial,
+            **damage,
+            **breakdown(verdicts),
+        }

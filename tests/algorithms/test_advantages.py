@@ -81,7 +81,9 @@ def test_a_group_with_a_nonfinite_reward_is_dropped_and_the_rest_is_as_if_it_was
     poisoned_comps[9, 1] = float("inf")  # group 2, through a component only
     out = compute_advantages(poisoned, groups, estimator, components=poisoned_comps, weights=weights)
     clean = groups == 0
-    alone = compute_advantages(rewards[clean], groups[clean], estimator, components=comps[clean], weights=weights)
+    alone = compute_advantages(
+        rewards[clean], groups[clean], estimator, components=comps[clean], weights=weights
+    )
     assert out.dropped_groups == 2 and out.dropped_samples == 8
     assert torch.equal(out.values[clean], alone.values) and torch.equal(out.keep[clean], alone.keep)
     assert torch.equal(out.values[~clean], torch.zeros(8)) and not bool(out.keep[~clean].any())

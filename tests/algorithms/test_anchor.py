@@ -20,11 +20,25 @@ def test_anchor_loss_is_coef_times_mean_squared_velocity_gap_with_no_gradient_in
     x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0], [2.0, 2.0, 2.0]])
     w = torch.tensor(1.5, requires_grad=True)
     r = torch.tensor(0.5, requires_grad=True)
-    ctx = LossContext(policy_velocity=lambda x, s, c: w * x, reference_velocity=lambda x, s, c: r * x + 1.0,
-                      objective_cfg=SimpleNamespace(anchor_coef=0.3), noise_level=0.7)
+    ctx = LossContext(
+        policy_velocity=lambda x, s, c: w * x,
+        reference_velocity=lambda x, s, c: r * x + 1.0,
+        objective_cfg=SimpleNamespace(anchor_coef=0.3),
+        noise_level=0.7,
+    )
     weights = torch.tensor([1.0, 0.0, 1.0])  # the middle sample is masked out
-    batch = StepBatch(x_t=x, x_next=x, sigma=torch.tensor(0.2), sigma_next=torch.tensor(0.1), sigma_1=None,
-                      kind="ode", old_log_prob=torch.zeros(3), advantages=torch.zeros(3), cond=None, weights=weights)
+    batch = StepBatch(
+        x_t=x,
+        x_next=x,
+        sigma=torch.tensor(0.2),
+        sigma_next=torch.tensor(0.1),
+        sigma_1=None,
+        kind="ode",
+        old_log_prob=torch.zeros(3),
+        advantages=torch.zeros(3),
+        cond=None,
+        weights=weights,
+    )
     loss, stats = anchor_loss(ctx, batch)
     rows = [[(1.5 * a - (0.5 * a + 1.0)) ** 2 for a in row] for row in x.tolist()]
     per_sample = [sum(row) / 3 for row in rows]
@@ -36,8 +50,15 @@ def test_anchor_loss_is_coef_times_mean_squared_velocity_gap_with_no_gradient_in
 
 
 def test_anchor_passes_leave_the_policy_plan_unchanged_and_cover_only_untrained_steps():
-    cfg = load_config("toy_flowgrpo", ["train.micro_batch_size=16", "train.gradient_accumulation=2",
-                                       "objective.anchor_coef=1.0", "objective.anchor_fraction=0.34"])
+    cfg = load_config(
+        "toy_flowgrpo",
+        [
+            "train.micro_batch_size=16",
+            "train.gradient_accumulation=2",
+            "objective.anchor_coef=1.0",
+            "objective.anchor_fraction=0.34",
+        ],
+    )
     trainable, untrained = [0, 1, 2, 3], [4, 5, 6, 7, 8, 9]
     plain = sample_major(64, trainable, cfg, 5, 1)
     anchored = sample_major(64, trainable, cfg, 5, 1, untrained)
@@ -63,12 +84,29 @@ def _untrained_drift(anchor_coef: float, tmp_path) -> tuple[float, list[dict]]:
     """Train 3 iterations with the SDE on step 0 only and a large learning rate, then
     measure ||v_theta - v_ref||^2 at the untrained steps on fixed random states."""
     # the shipped ShapeWorld model: its rewards vary within a group (a random twin's are all 0)
-    cfg = load_config("toy_flowgrpo", [
-        f"output_dir={tmp_path / str(anchor_coef)}", "train.max_steps=3", "eval.every=0", "eval.at_start=false",
-        "checkpoint.every=0", "logging.progress_bar=false", "sampling.num_steps=4", "sampling.sde_window=[0,1]",
-        "rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.batch_size=16", "train.micro_batch_size=16",
-        "train.num_inner_epochs=2", "optim.lr=0.01", "optim.warmup_steps=0", "objective.clip_range=0.2",
-        "objective.anchor_fraction=1.0", f"objective.anchor_coef={anchor_coef}"])
+    cfg = load_config(
+        "toy_flowgrpo",
+        [
+            f"output_dir={tmp_path / str(anchor_coef)}",
+            "train.max_steps=3",
+            "eval.every=0",
+            "eval.at_start=false",
+            "checkpoint.every=0",
+            "logging.progress_bar=false",
+            "sampling.num_steps=4",
+            "sampling.sde_window=[0,1]",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=8",
+            "rollout.batch_size=16",
+            "train.micro_batch_size=16",
+            "train.num_inner_epochs=2",
+            "optim.lr=0.01",
+            "optim.warmup_steps=0",
+            "objective.clip_range=0.2",
+            "objective.anchor_fraction=1.0",
+            f"objective.anchor_coef={anchor_coef}",
+        ],
+    )
     trainer = Trainer(cfg)
     history = trainer.fit()
     adapter, sigmas = trainer.adapter, trainer.adapter.sigmas(cfg.sampling.num_steps)

@@ -18,9 +18,18 @@ def _ocfg(**kw):
 
 
 def _batch(x, x_next, old_lp, adv, weights=None):
-    return StepBatch(x_t=x, x_next=x_next, sigma=torch.tensor(0.7), sigma_next=torch.tensor(0.5), sigma_1=0.9,
-                     kind="sde", old_log_prob=old_lp, advantages=adv, cond=Conditioning({"e": torch.zeros(len(x), 1)}),
-                     weights=weights)
+    return StepBatch(
+        x_t=x,
+        x_next=x_next,
+        sigma=torch.tensor(0.7),
+        sigma_next=torch.tensor(0.5),
+        sigma_1=0.9,
+        kind="sde",
+        old_log_prob=old_lp,
+        advantages=adv,
+        cond=Conditioning({"e": torch.zeros(len(x), 1)}),
+        weights=weights,
+    )
 
 
 def test_loss_matches_hand_computed_ppo():
@@ -72,6 +81,8 @@ def test_masked_samples_do_not_contribute():
     v_new = v + 0.3 * torch.randn(3, 4)
     ctx = LossContext(lambda xx, *_: v_new[: len(xx)], None, _ocfg(), 0.7)
     adv = torch.tensor([1.0, -2.0, 100.0])
-    masked, _ = flow_grpo_loss(ctx, _batch(x, taken.next_latents, taken.log_prob, adv, torch.tensor([1.0, 1.0, 0.0])))
+    masked, _ = flow_grpo_loss(
+        ctx, _batch(x, taken.next_latents, taken.log_prob, adv, torch.tensor([1.0, 1.0, 0.0]))
+    )
     only_two, _ = flow_grpo_loss(ctx, _batch(x[:2], taken.next_latents[:2], taken.log_prob[:2], adv[:2]))
     torch.testing.assert_close(masked, only_two)

@@ -19,10 +19,26 @@ def _setup(adv, beta=0.7, clip=2.0, weights=None):
     x_t = (1 - sigma) * x0 + sigma * eps
     w = torch.tensor(0.8, requires_grad=True)
     ocfg = SimpleNamespace(nft_beta=beta, adv_clip_max=clip, kl_coef=0.0)
-    ctx = LossContext(policy_velocity=lambda x, s, c: w * x + 1.0, reference_velocity=None, objective_cfg=ocfg,
-                      noise_level=0.7, old_velocity=lambda x, s, c: 0.5 * x - 0.25)
-    batch = StepBatch(x_t=x_t, x_next=x_t, sigma=sigma, sigma_next=sigma, sigma_1=None, kind="ode",
-                      old_log_prob=torch.zeros(2), advantages=torch.tensor(adv), cond=None, weights=weights, x0=x0)
+    ctx = LossContext(
+        policy_velocity=lambda x, s, c: w * x + 1.0,
+        reference_velocity=None,
+        objective_cfg=ocfg,
+        noise_level=0.7,
+        old_velocity=lambda x, s, c: 0.5 * x - 0.25,
+    )
+    batch = StepBatch(
+        x_t=x_t,
+        x_next=x_t,
+        sigma=sigma,
+        sigma_next=sigma,
+        sigma_1=None,
+        kind="ode",
+        old_log_prob=torch.zeros(2),
+        advantages=torch.tensor(adv),
+        cond=None,
+        weights=weights,
+        x0=x0,
+    )
     return ctx, batch, w
 
 
@@ -61,7 +77,9 @@ def test_masked_samples_do_not_count():
     ctx, batch, _ = _setup([1.0, -0.5], weights=torch.tensor([1.0, 0.0]))
     loss, _ = get_objective("nft")(ctx, batch)
     ctx1, batch1, _ = _setup([1.0, -0.5])
-    batch1 = StepBatch(**{**batch1.__dict__, **{k: getattr(batch1, k)[:1] for k in ("x_t", "x0", "advantages")}})
+    batch1 = StepBatch(
+        **{**batch1.__dict__, **{k: getattr(batch1, k)[:1] for k in ("x_t", "x0", "advantages")}}
+    )
     alone, _ = get_objective("nft")(ctx1, batch1)
     assert loss.item() == pytest.approx(alone.item(), rel=1e-6)
 

@@ -12,8 +12,7 @@ from rewards.ranking import average_ranks, kendall_tau, spearman_rho
 
 
 def test_best_worst_takes_top_and_bottom_in_pool_order():
-    rewards = torch.tensor([[0.5, 0.9, 0.1, 0.7, 0.3, 0.2],
-                            [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    rewards = torch.tensor([[0.5, 0.9, 0.1, 0.7, 0.3, 0.2], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
     chosen = select_subset(rewards, 4, "best_worst")
     assert chosen.tolist() == [[1, 2, 3, 5], [0, 1, 4, 5]]
     # odd k: one more from the top
@@ -27,8 +26,10 @@ def test_best_worst_breaks_ties_by_pool_index():
 
 
 def _brute_force_max_variance(row, k):
-    best = max(itertools.combinations(range(len(row)), k),
-               key=lambda c: torch.tensor([row[i] for i in c], dtype=torch.float64).var(unbiased=False).item())
+    best = max(
+        itertools.combinations(range(len(row)), k),
+        key=lambda c: torch.tensor([row[i] for i in c], dtype=torch.float64).var(unbiased=False).item(),
+    )
     return torch.tensor([row[i] for i in best], dtype=torch.float64).var(unbiased=False).item()
 
 
@@ -62,8 +63,10 @@ def test_random_is_keyed_and_distinct():
 
 def test_random_ignores_rewards():
     g = torch.Generator().manual_seed(0)
-    assert torch.equal(select_subset(torch.randn(2, 8, generator=g), 3, "random", (1,)),
-                       select_subset(torch.zeros(2, 8), 3, "random", (1,)))
+    assert torch.equal(
+        select_subset(torch.randn(2, 8, generator=g), 3, "random", (1,)),
+        select_subset(torch.zeros(2, 8), 3, "random", (1,)),
+    )
 
 
 def test_bad_selection_inputs():

@@ -30,17 +30,36 @@ def hand_tree(factors, num_trees=1, log_probs=None, kinds=None):
     stds = (lay["depth"] > 0).float()
     leaves = spec.leaves
     return TreeTrajectory(
-        latents=torch.zeros(n, 1), means=torch.zeros(n, 1), log_probs=lp, stds=stds, std_ts=stds,
-        noise=torch.zeros(n, 1), parent=lay["parent"], depth=lay["depth"], tree=lay["tree"], ordinal=lay["ordinal"],
-        sigmas=torch.linspace(1, 0, len(factors) + 1), step_kinds=kinds or ["sde"] * len(factors),
-        noise_levels=[0.7] * len(factors), spec=spec, root_keys=[(k,) for k in range(num_trees)],
-        cond_rows=[k * leaves for k in range(num_trees)], keys=[(k, j) for k in range(num_trees) for j in range(leaves)],
+        latents=torch.zeros(n, 1),
+        means=torch.zeros(n, 1),
+        log_probs=lp,
+        stds=stds,
+        std_ts=stds,
+        noise=torch.zeros(n, 1),
+        parent=lay["parent"],
+        depth=lay["depth"],
+        tree=lay["tree"],
+        ordinal=lay["ordinal"],
+        sigmas=torch.linspace(1, 0, len(factors) + 1),
+        step_kinds=kinds or ["sde"] * len(factors),
+        noise_levels=[0.7] * len(factors),
+        spec=spec,
+        root_keys=[(k,) for k in range(num_trees)],
+        cond_rows=[k * leaves for k in range(num_trees)],
+        keys=[(k, j) for k in range(num_trees) for j in range(leaves)],
     )
 
 
 def tree_cfg(**tree):
-    cfg = SimpleNamespace(reward_fusion="mean", fusion_temperature=1.0, width_pruning="none", width_keep_fraction=0.5,
-                          depth_pruning=[], depth_pruning_slide_every=0, depth_pruning_stop=0)
+    cfg = SimpleNamespace(
+        reward_fusion="mean",
+        fusion_temperature=1.0,
+        width_pruning="none",
+        width_keep_fraction=0.5,
+        depth_pruning=[],
+        depth_pruning_slide_every=0,
+        depth_pruning_stop=0,
+    )
     cfg.__dict__.update(tree)
     return cfg
 
@@ -108,7 +127,9 @@ def test_trees_are_normalised_separately():
 
 def test_median_estimator_composes_per_depth():
     tree = hand_tree((4,))
-    credit = _credit(tree, torch.tensor([1.0, 2.0, 4.0, 9.0]), **{"advantage.estimator": "median", "advantage.eps": 0.0})
+    credit = _credit(
+        tree, torch.tensor([1.0, 2.0, 4.0, 9.0]), **{"advantage.estimator": "median", "advantage.eps": 0.0}
+    )
     r = torch.tensor([1.0, 2.0, 4.0, 9.0])
     expected = (r - 3.0) / r.std(unbiased=False)  # median of an even group: mean of the middle pair
     assert torch.allclose(credit.advantages[1:], expected, atol=1e-6)
@@ -121,7 +142,9 @@ def test_decoupled_estimator_composes_per_depth():
     comps = torch.tensor([[1.0, 0.0], [2.0, 1.0], [4.0, 1.0], [3.0, 5.0]])
     weights = torch.tensor([1.0, 0.5])
     total = comps @ weights
-    credit = _credit(tree, total, comps, weights, **{"advantage.estimator": "decoupled", "advantage.eps": 0.0})
+    credit = _credit(
+        tree, total, comps, weights, **{"advantage.estimator": "decoupled", "advantage.eps": 0.0}
+    )
     fused = fuse_rewards(tree, comps, "mean")
 
     def znorm(x):
@@ -183,13 +206,16 @@ def test_trunk_ode_and_pruned_edges_are_not_trained():
     assert trained_steps == [1, 4]  # step 0: trunk (one node); 2: pruned; 3: ODE
 
 
-@pytest.mark.parametrize("factors,kinds,options", [
-    ((2, 1, 2, 1), None, {}),
-    ((1, 2, 2, 1, 1), ["sde", "sde", "sde", "ode", "sde"], {"depth_pruning": [2]}),
-    ((2, 2, 1, 1), None, {"width_pruning": "best_worst", "width_keep_fraction": 0.5}),
-    ((2, 3, 1, 1), None, {"width_pruning": "best_per_branch", "width_keep_fraction": 0.34}),
-    ((4, 2, 1), None, {"width_pruning": "best_worst", "width_keep_fraction": 0.25, "depth_pruning": [0]}),
-])
+@pytest.mark.parametrize(
+    "factors,kinds,options",
+    [
+        ((2, 1, 2, 1), None, {}),
+        ((1, 2, 2, 1, 1), ["sde", "sde", "sde", "ode", "sde"], {"depth_pruning": [2]}),
+        ((2, 2, 1, 1), None, {"width_pruning": "best_worst", "width_keep_fraction": 0.5}),
+        ((2, 3, 1, 1), None, {"width_pruning": "best_per_branch", "width_keep_fraction": 0.34}),
+        ((4, 2, 1), None, {"width_pruning": "best_worst", "width_keep_fraction": 0.25, "depth_pruning": [0]}),
+    ],
+)
 def test_closed_form_edge_counts_match_the_mask(factors, kinds, options):
     tree = hand_tree(factors, num_trees=3, kinds=kinds)
     cfg = tree_cfg(**options)

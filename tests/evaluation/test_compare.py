@@ -30,7 +30,10 @@ def _checkpoint(config: str, path: Path, seed: int) -> Path:
     cfg = load_config(config)
     policy = Policy(build_adapter(cfg.model), cfg.model, cfg.seed)
     g = torch.Generator().manual_seed(seed)
-    state = {n: p.detach() + 0.2 * torch.randn(p.shape, generator=g) for n, p in policy.trainable_named_parameters()}
+    state = {
+        n: p.detach() + 0.2 * torch.randn(p.shape, generator=g)
+        for n, p in policy.trainable_named_parameters()
+    }
     path.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "trainable.safetensors"))
     return path
@@ -42,9 +45,29 @@ def test_grid_html_and_jsonl_have_the_right_shape_and_identical_checkpoints_matc
     b = tmp_path / "b"
     b.mkdir()
     (b / "trainable.safetensors").write_bytes((a / "trainable.safetensors").read_bytes())
-    out = _script().main(["--config", config, "--checkpoint", "base", "--checkpoint", f"a={a}",
-                          "--checkpoint", f"b={b}", "--num-prompts", "2", "--seeds", "0", "1", "--steps", "2",
-                          "--out", str(tmp_path / "out"), "--scale", "1"])
+    out = _script().main(
+        [
+            "--config",
+            config,
+            "--checkpoint",
+            "base",
+            "--checkpoint",
+            f"a={a}",
+            "--checkpoint",
+            f"b={b}",
+            "--num-prompts",
+            "2",
+            "--seeds",
+            "0",
+            "1",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+            "--scale",
+            "1",
+        ]
+    )
     tiles = {(t.prompt_index, t.seed, t.column): t for t in out["tiles"]}
     assert len(tiles) == 2 * 2 * 3
     for p in range(2):
@@ -60,7 +83,7 @@ def test_grid_html_and_jsonl_have_the_right_shape_and_identical_checkpoints_matc
     assert grid.size == (GAP + 3 * (w + GAP), GAP + 4 * (h + LABEL_H + GAP))
     # the gutters are white and each tile has a border: tiles never run together
     pixels = np.asarray(grid)
-    assert (pixels[:, : GAP - 1] == 255).all() and (pixels[GAP - 1, GAP - 1: GAP + w] == 150).all()
+    assert (pixels[:, : GAP - 1] == 255).all() and (pixels[GAP - 1, GAP - 1 : GAP + w] == 150).all()
     page = (tmp_path / "out" / "index.html").read_text()
     body = page.split("<tbody>")[1]
     assert body.count("<tr>") == 4 and body.count("<img ") == 12
@@ -69,12 +92,43 @@ def test_grid_html_and_jsonl_have_the_right_shape_and_identical_checkpoints_matc
 
 def test_rlg_columns_at_zero_and_one_are_base_and_the_checkpoint(tmp_path):
     a = _checkpoint("tiny_toy_flowgrpo", tmp_path / "a", 1)
-    out = _script().main(["--config", "tiny_toy_flowgrpo", "--checkpoint", "base", "--checkpoint", f"a={a}",
-                          "--rlg-scales", "0,1,2", "--num-prompts", "2", "--seeds", "3", "--steps", "2",
-                          "--out", str(tmp_path / "out")])
+    out = _script().main(
+        [
+            "--config",
+            "tiny_toy_flowgrpo",
+            "--checkpoint",
+            "base",
+            "--checkpoint",
+            f"a={a}",
+            "--rlg-scales",
+            "0,1,2",
+            "--num-prompts",
+            "2",
+            "--seeds",
+            "3",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     tiles = {(t.prompt_index, t.column): t.image for t in out["tiles"]}
-    plain = _script().main(["--config", "tiny_toy_flowgrpo", "--checkpoint", f"a={a}", "--num-prompts", "2",
-                            "--seeds", "3", "--steps", "2", "--out", str(tmp_path / "plain")])
+    plain = _script().main(
+        [
+            "--config",
+            "tiny_toy_flowgrpo",
+            "--checkpoint",
+            f"a={a}",
+            "--num-prompts",
+            "2",
+            "--seeds",
+            "3",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "plain"),
+        ]
+    )
     aligned = {t.prompt_index: t.image for t in plain["tiles"]}
     for p in range(2):
         assert torch.equal(tiles[(p, "a@0")], tiles[(p, "base")])
@@ -84,7 +138,9 @@ def test_rlg_columns_at_zero_and_one_are_base_and_the_checkpoint(tmp_path):
 
 def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
     script = _script()
-    with pytest.raises(CompareError, match="no trainable.safetensors, pytorch_lora_weights.safetensors or transformer"):
+    with pytest.raises(
+        CompareError, match="no trainable.safetensors, pytorch_lora_weights.safetensors or transformer"
+    ):
         script.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", f"x={tmp_path / 'missing'}"])
     bad = tmp_path / "prompts.jsonl"
     bad.write_text("{not json}\n")
@@ -101,8 +157,21 @@ def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
     weights = torn / "trainable.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(script.main, ["--config", "tiny_toy_flowgrpo", "--checkpoint", f"t={torn}", "--num-prompts", "1",
-                              "--seeds", "0", "--out", str(tmp_path / "out")])
+        run_cli(
+            script.main,
+            [
+                "--config",
+                "tiny_toy_flowgrpo",
+                "--checkpoint",
+                f"t={torn}",
+                "--num-prompts",
+                "1",
+                "--seeds",
+                "0",
+                "--out",
+                str(tmp_path / "out"),
+            ],
+        )
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: checkpoint '{torn}': trainable.safetensors has") and "truncated" in err
@@ -110,14 +179,33 @@ def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
 
 def test_video_tiles_become_frame_strips_and_gifs(tmp_path):
     a = _checkpoint("tiny_wan_flowgrpo", tmp_path / "a", 2)
-    out = _script().main(["--config", "tiny_wan_flowgrpo", "--checkpoint", "base", "--checkpoint", f"a={a}",
-                          "--num-prompts", "1", "--seeds", "0", "--steps", "2", "--scale", "1",
-                          "--out", str(tmp_path / "out")])
+    out = _script().main(
+        [
+            "--config",
+            "tiny_wan_flowgrpo",
+            "--checkpoint",
+            "base",
+            "--checkpoint",
+            f"a={a}",
+            "--num-prompts",
+            "1",
+            "--seeds",
+            "0",
+            "--steps",
+            "2",
+            "--scale",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     video = out["tiles"][0].image
     assert video.ndim == 4  # (F, 3, H, W)
     frames = min(4, video.shape[0])
-    assert Image.open(tmp_path / "out" / "grid.png").size == (GAP + 2 * (frames * video.shape[-1] + GAP),
-                                                               GAP + video.shape[-2] + LABEL_H + GAP)
+    assert Image.open(tmp_path / "out" / "grid.png").size == (
+        GAP + 2 * (frames * video.shape[-1] + GAP),
+        GAP + video.shape[-2] + LABEL_H + GAP,
+    )
     assert (tmp_path / "out" / "index.html").read_text().count("data:image/gif;base64,") == 2
 
 
@@ -129,8 +217,26 @@ def test_full_fine_tune_checkpoints_and_their_rlg(tmp_path):
         for p in policy.trainable_parameters():
             p.add_(0.01)
     policy.save_pretrained(tmp_path / "full")
-    out = _script().main(["--config", "tiny_flux_flowgrpo", *overrides, "--checkpoint", "base",
-                          "--checkpoint", f"ft={tmp_path / 'full'}", "--rlg-scales", "0,1", "--num-prompts", "1",
-                          "--seeds", "0", "--steps", "2", "--out", str(tmp_path / "out")])
+    out = _script().main(
+        [
+            "--config",
+            "tiny_flux_flowgrpo",
+            *overrides,
+            "--checkpoint",
+            "base",
+            "--checkpoint",
+            f"ft={tmp_path / 'full'}",
+            "--rlg-scales",
+            "0,1",
+            "--num-prompts",
+            "1",
+            "--seeds",
+            "0",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     tiles = {t.column: t.image for t in out["tiles"]}
     assert torch.equal(tiles["ft@0"], tiles["base"]) and not torch.equal(tiles["ft@1"], tiles["base"])

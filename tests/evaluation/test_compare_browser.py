@@ -14,9 +14,14 @@ from PIL import Image
 from diffrl.evaluation.compare import Tile, _add_deltas
 from diffrl.evaluation.compare_report import write_html
 
-CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium / chromium-browser / google-chrome on PATH "
-                                "(apt-get install chromium to run this test)")
+CHROMIUM = next(
+    (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None
+)
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no chromium / chromium-browser / google-chrome on PATH "
+    "(apt-get install chromium to run this test)",
+)
 
 
 def _chromium(*args, timeout=60):
@@ -50,8 +55,16 @@ def page(tmp_path):
     for p in range(3):
         for s in (0, 1):
             for c in ("base", "a"):
-                tiles.append(Tile(f"prompt {p}", p, s, c, torch.rand(3, 16, 16, generator=g),
-                                  {"r": float(torch.rand(1, generator=g))}))
+                tiles.append(
+                    Tile(
+                        f"prompt {p}",
+                        p,
+                        s,
+                        c,
+                        torch.rand(3, 16, 16, generator=g),
+                        {"r": float(torch.rand(1, generator=g))},
+                    )
+                )
     _add_deltas(tiles)
     path = tmp_path / "index.html"
     write_html(tiles, ["base", "a"], ["r"], path, "test")

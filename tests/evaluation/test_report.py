@@ -22,11 +22,23 @@ def _run(path: Path, solrl: bool, rewards: list[float]):
     path.mkdir(parents=True)
     rows = [{"step": 0, "wall_time": 0.0, "eval/shapeworld_strict/mean": 0.2}]
     for i, r in enumerate(rewards, 1):
-        row = {"step": i, "wall_time": 2.0 * i, "reward/mean": r, "approx_kl": 1e-6 * i, "clipfrac": 0.1,
-               "time/update": 1.0}
+        row = {
+            "step": i,
+            "wall_time": 2.0 * i,
+            "reward/mean": r,
+            "approx_kl": 1e-6 * i,
+            "clipfrac": 0.1,
+            "time/update": 1.0,
+        }
         if solrl:
-            row.update({"time/explore": 2.0, "time/regenerate": 0.5, "solrl/kendall_tau": 0.8,
-                        "solrl/spearman_rho": 0.9})
+            row.update(
+                {
+                    "time/explore": 2.0,
+                    "time/regenerate": 0.5,
+                    "solrl/kendall_tau": 0.8,
+                    "solrl/spearman_rho": 0.9,
+                }
+            )
         rows.append(row)
     rows.append({"step": len(rewards), "wall_time": 2.0 * len(rewards), "eval/shapeworld_strict/mean": 0.3})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -42,7 +54,11 @@ def test_report_overlays_runs_and_summarises(tmp_path):
     image = Image.open(out / "report.png")
     specs, main = _script().build_panels({"a": _script().load_run(tmp_path / "b")})
     titles = [t for t, _, _ in specs]
-    assert main == "eval/shapeworld_strict/mean" and "solrl/kendall_tau" in titles and "stage seconds: a" in titles
+    assert (
+        main == "eval/shapeworld_strict/mean"
+        and "solrl/kendall_tau" in titles
+        and "stage seconds: a" in titles
+    )
     assert image.size[0] > 0 and image.size[1] >= 240 * ((len(specs) + 2) // 3)
 
 
@@ -53,12 +69,23 @@ def test_report_without_metrics_is_a_clear_error(tmp_path):
 
 
 def test_every_evaluation_writes_a_sample_sheet(tmp_path):
-    cfg = load_config("tiny_toy_flowgrpo", [f"output_dir={tmp_path}", "train.max_steps=1", "eval.every=1",
-                                            "eval.at_start=true", "eval.num_prompts=2", "logging.progress_bar=false"])
+    cfg = load_config(
+        "tiny_toy_flowgrpo",
+        [
+            f"output_dir={tmp_path}",
+            "train.max_steps=1",
+            "eval.every=1",
+            "eval.at_start=true",
+            "eval.num_prompts=2",
+            "logging.progress_bar=false",
+        ],
+    )
     Trainer(cfg).fit()
     sheets = sorted(p.name for p in (tmp_path / "samples").glob("*.png"))
     assert sheets == ["step-0.png", "step-1.png"]
-    assert Image.open(tmp_path / "samples" / "step-0.png").size[0] == 4 + 4 * (128 + 4)  # 4 tiles, 4-px gutters
+    assert Image.open(tmp_path / "samples" / "step-0.png").size[0] == 4 + 4 * (
+        128 + 4
+    )  # 4 tiles, 4-px gutters
 
 
 def test_sheet_captions_wrap_instead_of_being_cut():
@@ -71,5 +98,5 @@ def test_sheet_captions_wrap_instead_of_being_cut():
     assert len(long) == 3 and long[-1].endswith("...")
     sheet = image_sheet(torch.rand(2, 3, 8, 8), [caption, "x"], columns=2, tile=128)
     # three caption lines fit under each tile: the caption band below the tiles holds ink
-    band = np.asarray(sheet.convert("L"))[4 + 128 + 2:, 4:4 + 128]
+    band = np.asarray(sheet.convert("L"))[4 + 128 + 2 :, 4 : 4 + 128]
     assert (band < 128).any(axis=1).sum() >= 3 * 7  # at least three lines of ~7-px glyphs

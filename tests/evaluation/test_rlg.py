@@ -40,8 +40,12 @@ def test_rlg_scales_blend_lora_on_and_off(name):
     assert torch.equal(_velocity(adapter, GuidedTransformer(policy.transformer, 0.0)), base)
     assert torch.equal(_velocity(adapter, GuidedTransformer(policy.transformer, 1.0)), aligned)
     for w in (0.5, 2.0, -0.5):
-        torch.testing.assert_close(_velocity(adapter, GuidedTransformer(policy.transformer, w)),
-                                   base + w * (aligned - base), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            _velocity(adapter, GuidedTransformer(policy.transformer, w)),
+            base + w * (aligned - base),
+            rtol=1e-4,
+            atol=1e-5,
+        )
     # the adapters are back on afterwards
     assert torch.equal(_velocity(adapter, policy.transformer), aligned)
 
@@ -57,7 +61,9 @@ def test_rlg_with_a_full_base_model():
     guided = GuidedTransformer(adapter.transformer, 0.0, base=base_model)
     assert torch.equal(_velocity(adapter, guided), base)
     guided.scale = 1.5
-    torch.testing.assert_close(_velocity(adapter, guided), base + 1.5 * (aligned - base), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        _velocity(adapter, guided), base + 1.5 * (aligned - base), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_rlg_needs_lora_or_a_base():

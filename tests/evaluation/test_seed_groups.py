@@ -13,14 +13,26 @@ from tests.helpers import load_script
 
 
 def _rows(strict, darkness, steps=(0, 10, 20), minutes=1.0):
-    return [{"step": s, "wall_time": 60.0 * minutes * s, HELDOUT: a, "eval/shapeworld_strict/se": 0.02,
-             DARKNESS: d, "eval/diversity": 0.2, "eval_train/shapeworld_strict/mean": a + 0.01}
-            for s, a, d in zip(steps, strict, darkness)]
+    return [
+        {
+            "step": s,
+            "wall_time": 60.0 * minutes * s,
+            HELDOUT: a,
+            "eval/shapeworld_strict/se": 0.02,
+            DARKNESS: d,
+            "eval/diversity": 0.2,
+            "eval_train/shapeworld_strict/mean": a + 0.01,
+        }
+        for s, a, d in zip(steps, strict, darkness)
+    ]
 
 
 def test_curve_is_the_mean_and_sample_sd_over_seeds_at_common_steps():
-    group = [_rows([0.3, 0.4, 0.5], [1.0, 2.0, 3.0]), _rows([0.3, 0.5, 0.6], [2.0, 2.0, 2.0]),
-             _rows([0.3, 0.45], [1.0, 1.5], steps=(0, 10))]  # the third seed stopped at 10
+    group = [
+        _rows([0.3, 0.4, 0.5], [1.0, 2.0, 3.0]),
+        _rows([0.3, 0.5, 0.6], [2.0, 2.0, 2.0]),
+        _rows([0.3, 0.45], [1.0, 1.5], steps=(0, 10)),
+    ]  # the third seed stopped at 10
     assert common_steps(group) == [0, 10]
     points = curve(group, HELDOUT)
     assert [step for step, _ in points] == [0, 10]
@@ -33,23 +45,35 @@ def test_curve_is_the_mean_and_sample_sd_over_seeds_at_common_steps():
 
 
 def test_report_groups_seeds_into_one_methods_table_and_plot(tmp_path):
-    runs = {"a0": _rows([0.3, 0.4, 0.5], [1.0, 1.0, 1.1]), "a1": _rows([0.3, 0.42, 0.54], [1.0, 1.0, 1.0]),
-            "b0": _rows([0.3, 0.35, 0.36], [1.0, 3.0, 4.5])}
+    runs = {
+        "a0": _rows([0.3, 0.4, 0.5], [1.0, 1.0, 1.1]),
+        "a1": _rows([0.3, 0.42, 0.54], [1.0, 1.0, 1.0]),
+        "b0": _rows([0.3, 0.35, 0.36], [1.0, 3.0, 4.5]),
+    }
     for name, rows in runs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = load_script("report").main([f"anchor={tmp_path / 'a0'},{tmp_path / 'a1'}", f"plain={tmp_path / 'b0'}",
-                                      "--out", str(tmp_path / "rep")])
+    out = load_script("report").main(
+        [
+            f"anchor={tmp_path / 'a0'},{tmp_path / 'a1'}",
+            f"plain={tmp_path / 'b0'}",
+            "--out",
+            str(tmp_path / "rep"),
+        ]
+    )
     table = (out / "summary.md").read_text()
-    assert "| anchor | 2 | 20 | 20.0 | 0.520 ± 0.028 [0.500, 0.540] | 0.020 | 0.530 | 1.05x | 1.00x |" in table
+    assert (
+        "| anchor | 2 | 20 | 20.0 | 0.520 ± 0.028 [0.500, 0.540] | 0.020 | 0.530 | 1.05x | 1.00x |" in table
+    )
     assert "| plain | 1 | 20 | 20.0 | 0.360 | 0.020 | 0.370 | 4.50x | 1.00x |" in table
     assert "| anchor/a0 |" in table  # each seed also keeps its own row in the run summary
     assert Image.open(out / "report.png").size[0] > 0
     assert methods_table({"x": [runs["a0"]]}).count("| x | 1 |") == 3
 
 
-@pytest.mark.parametrize("specs, message", [(["plain="], "names no run directory"),
-                                            (["x=A", "x=A"], "two runs are named 'x'")])
+@pytest.mark.parametrize(
+    "specs, message", [(["plain="], "names no run directory"), (["x=A", "x=A"], "two runs are named 'x'")]
+)
 def test_report_rejects_empty_and_repeated_method_names(tmp_path, specs, message):
     (tmp_path / "A").mkdir()
     (tmp_path / "A" / "metrics.jsonl").write_text(json.dumps(_rows([0.3], [1.0], steps=(0,))[0]) + "\n")

@@ -45,12 +45,33 @@ def _write(path, rows):
 
 def test_before_after_uses_first_and_last_evaluation_and_marks_the_headline(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    _write(path, [
-        {"step": 0, "wall_time": 1.0, "eval/r/mean": 0.5, "eval/r_strict/mean": 0.25, "eval/diversity": 0.2},
-        {"step": 1, "wall_time": 2.0, "reward/mean": 0.1},
-        {"step": 5, "wall_time": 60.0, "eval/r/mean": 0.7, "eval/r_strict/mean": 0.5, "eval/diversity": 0.1},
-        {"step": 10, "wall_time": 120.0, "eval/r/mean": 0.9, "eval/r_strict/mean": 0.75, "eval/diversity": 0.15},
-    ])
+    _write(
+        path,
+        [
+            {
+                "step": 0,
+                "wall_time": 1.0,
+                "eval/r/mean": 0.5,
+                "eval/r_strict/mean": 0.25,
+                "eval/diversity": 0.2,
+            },
+            {"step": 1, "wall_time": 2.0, "reward/mean": 0.1},
+            {
+                "step": 5,
+                "wall_time": 60.0,
+                "eval/r/mean": 0.7,
+                "eval/r_strict/mean": 0.5,
+                "eval/diversity": 0.1,
+            },
+            {
+                "step": 10,
+                "wall_time": 120.0,
+                "eval/r/mean": 0.9,
+                "eval/r_strict/mean": 0.75,
+                "eval/diversity": 0.15,
+            },
+        ],
+    )
     table = before_after(path, ("eval/r_strict/mean", "eval/r/mean")).splitlines()
     assert "step 0" in table[0] and "step 10" in table[0]
     assert table[1].startswith("held-out prompts")
@@ -61,10 +82,23 @@ def test_before_after_uses_first_and_last_evaluation_and_marks_the_headline(tmp_
 
 def test_before_after_shows_counts_standard_errors_training_prompts_and_fidelity_ratios(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    row = {"eval/n": 660, "eval/s/mean": 0.2, "eval/s/se": 0.016, "eval/fidelity/dark/mean": 0.001,
-           "eval/fidelity/dark/se": 0.0000234, "eval_train/n": 256, "eval_train/s/mean": 0.3, "eval_train/s/se": 0.02}
-    later = {**row, "eval/s/mean": 0.7, "eval/s/se": 0.018, "eval/fidelity/dark/mean": 0.0015,
-             "eval_train/s/mean": 0.8}
+    row = {
+        "eval/n": 660,
+        "eval/s/mean": 0.2,
+        "eval/s/se": 0.016,
+        "eval/fidelity/dark/mean": 0.001,
+        "eval/fidelity/dark/se": 0.0000234,
+        "eval_train/n": 256,
+        "eval_train/s/mean": 0.3,
+        "eval_train/s/se": 0.02,
+    }
+    later = {
+        **row,
+        "eval/s/mean": 0.7,
+        "eval/s/se": 0.018,
+        "eval/fidelity/dark/mean": 0.0015,
+        "eval_train/s/mean": 0.8,
+    }
     _write(path, [{"step": 0, **row}, {"step": 50, **later}])
     table = before_after(path, ("eval/s/mean",))
     lines = table.splitlines()
@@ -76,7 +110,9 @@ def test_before_after_shows_counts_standard_errors_training_prompts_and_fidelity
     assert fidelity.split()[-1] == "1.50x"
     assert fidelity.split()[1:4] == ["0.001", "±", "2.3e-05"]  # a small standard error keeps its digits
     assert lines[train + 1].split()[-1] == "+0.500"
-    assert "/se" not in table and "eval/n " not in table  # standard errors and counts are not rows of their own
+    assert (
+        "/se" not in table and "eval/n " not in table
+    )  # standard errors and counts are not rows of their own
 
 
 def test_before_after_needs_two_evaluations(tmp_path):
@@ -111,8 +147,13 @@ def test_before_after_keeps_long_cells_apart(tmp_path):
     darkness) must still split into separate columns."""
     path = tmp_path / "metrics.jsonl"
     key = "eval_train/fidelity/background_darkness"
-    _write(path, [{"step": 0, "eval/s/mean": 0.2, f"{key}/mean": 0.002221, f"{key}/se": 2.4e-06},
-                  {"step": 100, "eval/s/mean": 0.3, f"{key}/mean": 0.009998, f"{key}/se": 5.3e-06}])
+    _write(
+        path,
+        [
+            {"step": 0, "eval/s/mean": 0.2, f"{key}/mean": 0.002221, f"{key}/se": 2.4e-06},
+            {"step": 100, "eval/s/mean": 0.3, f"{key}/mean": 0.009998, f"{key}/se": 5.3e-06},
+        ],
+    )
     row = next(line for line in before_after(path).splitlines() if key in line)
     assert row.split() == [f"{key}/mean", "0.002221", "±", "2.4e-06", "0.009998", "±", "5.3e-06", "4.50x"]
     assert "  0.002221" in row and "e-06  0.009998" in row

@@ -33,9 +33,19 @@ def run(name: str) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)  # GEMM blocking, and so the last bits, depend on it
     try:
-        cfg = load_config(config, [f"output_dir={out}", f"train.max_steps={STEPS}", "eval.every=0",
-                                   "checkpoint.every=0", "logging.progress_bar=false", "logging.trackers=[]",
-                                   "seed=0", *overrides])
+        cfg = load_config(
+            config,
+            [
+                f"output_dir={out}",
+                f"train.max_steps={STEPS}",
+                "eval.every=0",
+                "checkpoint.every=0",
+                "logging.progress_bar=false",
+                "logging.trackers=[]",
+                "seed=0",
+                *overrides,
+            ],
+        )
         trainer = Trainer(cfg)
         history = trainer.fit()
         weights = hashlib.sha256()
@@ -45,5 +55,11 @@ def run(name: str) -> dict:
         torch.set_num_threads(threads)
         shutil.rmtree(out, ignore_errors=True)
     steps = [{k: float(h[k]) for k in METRICS if k in h} for h in history]
-    return {"config": config, "overrides": overrides, "torch": torch.__version__, "threads": THREADS,
-            "steps": steps, "weights_sha256": weights.hexdigest()}
+    return {
+        "config": config,
+        "overrides": overrides,
+        "torch": torch.__version__,
+        "threads": THREADS,
+        "steps": steps,
+        "weights_sha256": weights.hexdigest(),
+    }

@@ -37,21 +37,34 @@ def test_flux_dev_has_exactly_its_published_parameter_count():
 
 
 def test_real_configs_resolve_to_their_architecture():
-    expected = {"flux_flowgrpo": "flux1-dev", "flux_branchgrpo": "flux1-dev", "flux_solrl": "flux1-dev",
-                "sd35_flowgrpo": "sd35-medium", "sd35_solrl": "sd35-large", "sana_solrl": "sana1.5-1.6b",
-                "wan_branchgrpo": "wan2.1-t2v-1.3b"}
+    expected = {
+        "flux_flowgrpo": "flux1-dev",
+        "flux_branchgrpo": "flux1-dev",
+        "flux_solrl": "flux1-dev",
+        "sd35_flowgrpo": "sd35-medium",
+        "sd35_solrl": "sd35-large",
+        "sana_solrl": "sana1.5-1.6b",
+        "wan_branchgrpo": "wan2.1-t2v-1.3b",
+    }
     for config, arch in expected.items():
         assert arch_for(load_config(config).model.pretrained).name == arch
 
 
-@pytest.mark.parametrize("config,latent,text", [
-    ("flux_solrl", (2025, 64), {"prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}),
-    ("wan_branchgrpo", (16, 9, 30, 52), {"prompt_embeds": (512, 4096)}),
-])
+@pytest.mark.parametrize(
+    "config,latent,text",
+    [
+        ("flux_solrl", (2025, 64), {"prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}),
+        ("wan_branchgrpo", (16, 9, 30, 52), {"prompt_embeds": (512, 4096)}),
+    ],
+)
 def test_full_size_adapter_runs_on_the_meta_device(config, latent, text):
-    cfg = load_config(config, [f"model.pretrained=random:{arch_for(load_config(config).model.pretrained).name}"])
+    cfg = load_config(
+        config, [f"model.pretrained=random:{arch_for(load_config(config).model.pretrained).name}"]
+    )
     adapter = build_adapter(cfg.model, device="meta")
-    assert tuple(adapter.latent_shape()) == latent  # FLUX 720px: (720/16)^2 packed tokens; Wan: 33 frames -> 9
+    assert (
+        tuple(adapter.latent_shape()) == latent
+    )  # FLUX 720px: (720/16)^2 packed tokens; Wan: 33 frames -> 9
     cond = adapter.encode_prompts(["a cat", "a dog"])
     for key, shape in text.items():
         assert tuple(cond.tensors[key].shape[1:]) == shape and cond.tensors[key].is_meta
@@ -63,9 +76,20 @@ def test_full_size_adapter_runs_on_the_meta_device(config, latent, text):
 def test_materialize_gives_finite_weights_and_keeps_computed_buffers():
     from diffusers import SD3Transformer2DModel
 
-    kw = dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
-              num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
-              pos_embed_max_size=32, qk_norm="rms_norm")
+    kw = dict(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=32,
+        pos_embed_max_size=32,
+        qk_norm="rms_norm",
+    )
     reference = SD3Transformer2DModel(**kw)
     with _empty_parameters():
         model = SD3Transformer2DModel(**kw)
@@ -76,7 +100,9 @@ def test_materialize_gives_finite_weights_and_keeps_computed_buffers():
     assert torch.equal(model.pos_embed.pos_embed, reference.pos_embed.pos_embed)
     # norms without reset_parameters get unit scales
     assert torch.equal(model.transformer_blocks[0].attn.norm_q.weight, torch.ones(16))
-    out = model(torch.randn(1, 4, 16, 16), torch.randn(1, 8, 32), torch.randn(1, 32), torch.tensor([500.0]))[0]
+    out = model(torch.randn(1, 4, 16, 16), torch.randn(1, 8, 32), torch.randn(1, 32), torch.tensor([500.0]))[
+        0
+    ]
     assert torch.isfinite(out).all()
     with _empty_parameters():
         again = SD3Transformer2DModel(**kw)
@@ -86,17 +112,25 @@ def test_materialize_gives_finite_weights_and_keeps_computed_buffers():
 
 def test_unknown_arch_and_family_mismatch_are_clear_errors():
     with pytest.raises(ModelLoadError, match="shipped architectures: flux1-dev"):
-        build_adapter(load_config("tiny_flux_flowgrpo", ["model.pretrained=random:flux2"]).model, device="meta")
+        build_adapter(
+            load_config("tiny_flux_flowgrpo", ["model.pretrained=random:flux2"]).model, device="meta"
+        )
     with pytest.raises(ModelLoadError, match="set model.family: sana"):
-        build_adapter(load_config("tiny_flux_flowgrpo", ["model.pretrained=random:sana1.5-1.6b"]).model, device="meta")
+        build_adapter(
+            load_config("tiny_flux_flowgrpo", ["model.pretrained=random:sana1.5-1.6b"]).model, device="meta"
+        )
 
 
 def test_full_size_overrides_keep_the_config_and_swap_weights_and_rewards():
     real = load_config("sd35_solrl")
     cfg = load_config("sd35_solrl", full_size_overrides(real))
     assert cfg.model.pretrained == "random:sd35-large"
-    assert (cfg.model.height, cfg.model.lora, cfg.rollout, cfg.solrl) == (real.model.height, real.model.lora,
-                                                                          real.rollout, real.solrl)
+    assert (cfg.model.height, cfg.model.lora, cfg.rollout, cfg.solrl) == (
+        real.model.height,
+        real.model.lora,
+        real.rollout,
+        real.solrl,
+    )
     assert {r.name for r in cfg.rewards} <= {"jpeg_compressibility", "jpeg_incompressibility"}
     with pytest.raises(ConfigError, match="no shipped architecture"):
         full_size_overrides(load_config("toy_flowgrpo"))

@@ -15,22 +15,47 @@ from tests.helpers import load_script
 def test_every_section_runs_on_a_tiny_twin_and_writes_json(tmp_path, capsys):
     bench = load_script("bench_rollout")
     out = tmp_path / "bench.json"
-    bench.main(["--config", "tiny_flux_solrl", "--repeats", "1", "--prompts", "1", "--iterations", "2",
-                "--variants", "cudagraphs,eager,attn:_native_math", "--modes", "policy,bf16,nvfp4:reference",
-                "--json", str(out)])
+    bench.main(
+        [
+            "--config",
+            "tiny_flux_solrl",
+            "--repeats",
+            "1",
+            "--prompts",
+            "1",
+            "--iterations",
+            "2",
+            "--variants",
+            "cudagraphs,eager,attn:_native_math",
+            "--modes",
+            "policy,bf16,nvfp4:reference",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"tree", "precision", "optimisations", "train", "iteration"}  # no arch: no estimate
+    assert set(results) == {
+        "tree",
+        "precision",
+        "optimisations",
+        "train",
+        "iteration",
+    }  # no arch: no estimate
     cfg = load_config("tiny_flux_solrl")
     for row in results["tree"]:
-        spec = TreeSpec.build(cfg.sampling.num_steps, *eval(row["schedule"].replace("]x[", "],[")),
-                              cfg.tree.split_noise_scale)
+        spec = TreeSpec.build(
+            cfg.sampling.num_steps, *eval(row["schedule"].replace("]x[", "],[")), cfg.tree.split_noise_scale
+        )
         tree_nfe = sum(math.prod(spec.factors[:t]) for t in range(spec.num_steps))  # nodes alive at each step
         assert row["tree_nfe_per_leaf"] == tree_nfe / spec.leaves
         assert row["independent_nfe_per_leaf"] == cfg.sampling.num_steps
     assert [r["mode"] for r in results["precision"]] == ["policy", "bf16", "nvfp4:reference"]
     assert results["precision"][1]["speed_vs_bf16"] == 1.0
-    assert [r["variant"] for r in results["optimisations"]] == ["eager", "attn:_native_math"]  # no CUDA graphs on CPU
+    assert [r["variant"] for r in results["optimisations"]] == [
+        "eager",
+        "attn:_native_math",
+    ]  # no CUDA graphs on CPU
     train = results["train"]
     assert train["peak_basis"] == "measured GEMM" and train["mfu"] > 0
     # the twin trains without checkpointing: nothing is recomputed
@@ -56,7 +81,9 @@ def test_estimate_section_sizes_a_real_config_without_weights(tmp_path, capsys):
     assert 0.9 < e["forward_tflop_per_sample_step"] * 1e12 / approx < 1.3
     # LoRA with checkpointing: forward, recompute and an input-gradient backward, CFG rows included
     assert 2.5 < e["train_tflop_per_sample"] / e["forward_tflop_per_sample_step"] < 3.5
-    assert e["memory_gib"]["exploration copy"] > 0 and e["memory_gib"]["rewards"] > 3  # PickScore ViT-H-14, fp32
+    assert (
+        e["memory_gib"]["exploration copy"] > 0 and e["memory_gib"]["rewards"] > 3
+    )  # PickScore ViT-H-14, fp32
     assert e["total_gib"] == pytest.approx(sum(e["memory_gib"].values()))
 
 
@@ -65,6 +92,8 @@ def test_a_bad_mode_is_one_error_before_any_model_is_built(capsys):
 
     bench = load_script("bench_rollout")
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(bench.main, ["--config", "tiny_flux_solrl", "--sections", "precision", "--modes", "bf16,fp5:auto"])
+        run_cli(
+            bench.main, ["--config", "tiny_flux_solrl", "--sections", "precision", "--modes", "bf16,fp5:auto"]
+        )
     assert exit_info.value.code == 2
     assert "--modes entry 'fp5:auto'" in capsys.readouterr().err

@@ -71,8 +71,11 @@ def test_compiled_rollouts_match_eager_and_follow_weight_updates(tiny_cfg):
     fast = compiled(adapter.transformer, cfg.perf, log=lines.append)
     x, sigma, cond = velocity_inputs(adapter, 2)
     with torch.no_grad():
-        assert torch.allclose(adapter.velocity(fast, x, sigma, cond), adapter.velocity(adapter.transformer, x, sigma,
-                                                                                       cond), atol=1e-5)
+        assert torch.allclose(
+            adapter.velocity(fast, x, sigma, cond),
+            adapter.velocity(adapter.transformer, x, sigma, cond),
+            atol=1e-5,
+        )
         before = adapter.velocity(adapter.transformer, x, sigma, cond)
         for p in policy.trainable_parameters():
             p.add_(0.1 * torch.randn_like(p))

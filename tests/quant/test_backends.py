@@ -38,18 +38,32 @@ needs_modelopt = pytest.mark.skipif(not _modelopt_imports(), reason="nvidia-mode
 
 def _hw(capability=None, modelopt=True, torchao=True, name="NVIDIA H100 80GB HBM3"):
     has_fp8, has_nvfp4 = capability_flags(capability)
-    return {"cuda": capability is not None, "device_name": name if capability else "CPU",
-            "capability": capability, "has_fp8": has_fp8, "has_nvfp4": has_nvfp4,
-            "modelopt": modelopt, "torchao": torchao}
+    return {
+        "cuda": capability is not None,
+        "device_name": name if capability else "CPU",
+        "capability": capability,
+        "has_fp8": has_fp8,
+        "has_nvfp4": has_nvfp4,
+        "modelopt": modelopt,
+        "torchao": torchao,
+    }
 
 
 H100, B200, A100, CPU = _hw((9, 0)), _hw((10, 0), name="NVIDIA B200"), _hw((8, 0), name="A100"), _hw(None)
 
 
-@pytest.mark.parametrize("capability,flags", [
-    (None, (False, False)), ((8, 0), (False, False)), ((8, 6), (False, False)), ((8, 9), (True, False)),
-    ((9, 0), (True, False)), ((10, 0), (True, True)), ((12, 0), (True, True)),
-])
+@pytest.mark.parametrize(
+    "capability,flags",
+    [
+        (None, (False, False)),
+        ((8, 0), (False, False)),
+        ((8, 6), (False, False)),
+        ((8, 9), (True, False)),
+        ((9, 0), (True, False)),
+        ((10, 0), (True, True)),
+        ((12, 0), (True, True)),
+    ],
+)
 def test_capability_flags(capability, flags):
     assert capability_flags(capability) == flags
 
@@ -64,47 +78,62 @@ def test_detect_hardware_describes_this_machine():
         assert detect_hardware()["modelopt"] is False and detect_hardware()["torchao"] is False
 
 
-@pytest.mark.parametrize("precision,hw,backend,words", [
-    ("fp8", H100, "torchao", "real FP8 GEMMs"),
-    ("fp8", B200, "torchao", "real FP8 GEMMs"),
-    ("fp8", _hw((9, 0), torchao=False), "reference", "pip install torchao"),
-    ("fp8", A100, "reference", "no FP8 tensor cores"),
-    ("fp8", CPU, "reference", "no CUDA GPU"),
-    ("nvfp4", H100, "modelopt", "no FP4 tensor cores: NVFP4 simulated"),
-    ("nvfp4", A100, "reference", "sm_89"),
-    ("nvfp4", B200, "modelopt", "has FP4 tensor cores (Blackwell)"),
-    ("nvfp4", _hw((10, 0), modelopt=False), "reference", "pip install nvidia-modelopt"),
-    ("nvfp4", CPU, "reference", "need"),
-    ("bf16", H100, "none", "BF16 control"),
-    ("bf16", CPU, "none", "BF16 control"),
-])
+@pytest.mark.parametrize(
+    "precision,hw,backend,words",
+    [
+        ("fp8", H100, "torchao", "real FP8 GEMMs"),
+        ("fp8", B200, "torchao", "real FP8 GEMMs"),
+        ("fp8", _hw((9, 0), torchao=False), "reference", "pip install torchao"),
+        ("fp8", A100, "reference", "no FP8 tensor cores"),
+        ("fp8", CPU, "reference", "no CUDA GPU"),
+        ("nvfp4", H100, "modelopt", "no FP4 tensor cores: NVFP4 simulated"),
+        ("nvfp4", A100, "reference", "sm_89"),
+        ("nvfp4", B200, "modelopt", "has FP4 tensor cores (Blackwell)"),
+        ("nvfp4", _hw((10, 0), modelopt=False), "reference", "pip install nvidia-modelopt"),
+        ("nvfp4", CPU, "reference", "need"),
+        ("bf16", H100, "none", "BF16 control"),
+        ("bf16", CPU, "none", "BF16 control"),
+    ],
+)
 def test_auto_choice(precision, hw, backend, words):
     chosen, reason = choose_backend(precision, "auto", hw)
     assert chosen == backend and words in reason
 
 
-@pytest.mark.parametrize("precision,requested,hw", [
-    ("fp8", "reference", H100), ("nvfp4", "reference", B200), ("fp8", "modelopt", CPU),
-    ("nvfp4", "modelopt", H100), ("nvfp4", "modelopt", A100), ("fp8", "torchao", H100), ("bf16", "none", H100), ("bf16", "reference", CPU),
-])
+@pytest.mark.parametrize(
+    "precision,requested,hw",
+    [
+        ("fp8", "reference", H100),
+        ("nvfp4", "reference", B200),
+        ("fp8", "modelopt", CPU),
+        ("nvfp4", "modelopt", H100),
+        ("nvfp4", "modelopt", A100),
+        ("fp8", "torchao", H100),
+        ("bf16", "none", H100),
+        ("bf16", "reference", CPU),
+    ],
+)
 def test_an_available_request_is_honoured(precision, requested, hw):
     chosen, reason = choose_backend(precision, requested, hw)
     assert chosen == ("none" if precision == "bf16" else requested)
     assert precision == "bf16" or reason.startswith("requested")
 
 
-@pytest.mark.parametrize("precision,requested,hw,message", [
-    ("fp8", "torchao", _hw((9, 0), torchao=False), r"pip install torchao.*or use backend reference"),
-    ("fp8", "torchao", CPU, r"FP8 tensor cores \(sm_89\+"),
-    ("fp8", "torchao", A100, r"A100 \(sm_80\)"),
-    ("nvfp4", "torchao", B200, "fp8 only"),
-    ("nvfp4", "modelopt", _hw((10, 0), modelopt=False), r"pip install nvidia-modelopt"),
-    ("nvfp4", "modelopt", CPU, "only on a CUDA GPU"),
-    ("bf16", "torchao", H100, "does not apply"),
-    ("fp8", "none", H100, "runs no quantizer"),
-    ("fp8", "tensorrt", H100, "valid: auto, reference, modelopt, torchao, none"),
-    ("fp4", "auto", H100, "unknown exploration precision 'fp4'"),
-])
+@pytest.mark.parametrize(
+    "precision,requested,hw,message",
+    [
+        ("fp8", "torchao", _hw((9, 0), torchao=False), r"pip install torchao.*or use backend reference"),
+        ("fp8", "torchao", CPU, r"FP8 tensor cores \(sm_89\+"),
+        ("fp8", "torchao", A100, r"A100 \(sm_80\)"),
+        ("nvfp4", "torchao", B200, "fp8 only"),
+        ("nvfp4", "modelopt", _hw((10, 0), modelopt=False), r"pip install nvidia-modelopt"),
+        ("nvfp4", "modelopt", CPU, "only on a CUDA GPU"),
+        ("bf16", "torchao", H100, "does not apply"),
+        ("fp8", "none", H100, "runs no quantizer"),
+        ("fp8", "tensorrt", H100, "valid: auto, reference, modelopt, torchao, none"),
+        ("fp4", "auto", H100, "unknown exploration precision 'fp4'"),
+    ],
+)
 def test_an_impossible_request_says_what_is_missing(precision, requested, hw, message):
     with pytest.raises(ValueError, match=message):
         choose_backend(precision, requested, hw)
@@ -126,14 +155,18 @@ def test_build_logs_one_line_and_uses_the_family_defaults(precision, backend):
     assert copy.quantized == reference.quantized
     assert len(lines) == 1 and f"{precision} via {backend}" in lines[0]
     if precision == "nvfp4":
-        assert f"{len(reference.quantized)} layers quantized, {len(reference.kept)} kept high (sd3 defaults)" \
+        assert (
+            f"{len(reference.quantized)} layers quantized, {len(reference.kept)} kept high (sd3 defaults)"
             in lines[0]
+        )
 
 
 def test_build_with_a_custom_list_and_an_unknown_family():
     _, policy = _policy()
     lines = []
-    copy = build_exploration_copy(policy.transformer, "sd3", "fp8", "reference", keep_high=[], log=lines.append)
+    copy = build_exploration_copy(
+        policy.transformer, "sd3", "fp8", "reference", keep_high=[], log=lines.append
+    )
     assert copy.kept == [] and "custom keep_high" in lines[0]
     with pytest.raises(ValueError, match="valid families"):
         build_exploration_copy(policy.transformer, "sdxl", "fp8", "reference", log=lines.append)
@@ -153,7 +186,10 @@ def test_conv_as_linear_computes_the_conv():
 def test_inner_tensors_are_refreshed_in_place():
     from torch.testing._internal.two_tensor import TwoTensor
 
-    old, new = TwoTensor(torch.zeros(3), torch.ones(3)), TwoTensor(torch.full((3,), 2.0), torch.full((3,), 3.0))
+    old, new = (
+        TwoTensor(torch.zeros(3), torch.ones(3)),
+        TwoTensor(torch.full((3,), 2.0), torch.full((3,), 3.0)),
+    )
     a = old.a
     assert _copy_inner_(old, new)
     assert old.a is a and old.a.tolist() == [2.0] * 3 and old.b.tolist() == [3.0] * 3
@@ -168,9 +204,12 @@ def _weights():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(30, 64, generator=g) * torch.exp(2 * torch.randn(30, 1, generator=g))
     ladder = [0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, -6]
-    hand = torch.tensor([[2688.0] + [0.0] * 15 + [2 * v for v in ladder] + [0.0] * 16
-                         + [6.375, -6.375, 0.3] + [0.0] * 13,
-                         [6 * 2.0**-9, 2.0**-9] + [0.0] * 62])
+    hand = torch.tensor(
+        [
+            [2688.0] + [0.0] * 15 + [2 * v for v in ladder] + [0.0] * 16 + [6.375, -6.375, 0.3] + [0.0] * 13,
+            [6 * 2.0**-9, 2.0**-9] + [0.0] * 62,
+        ]
+    )
     return torch.cat([w, hand])
 
 
@@ -183,7 +222,9 @@ def test_nvfp4_matches_modelopt_quantize_dequantize_bit_for_bit():
 
     w = _weights()
     packed, scale, double_scale = NVFP4QTensor.quantize(w.clone(), 16)
-    theirs = packed.dequantize(dtype=torch.float32, scale=scale, double_scale=double_scale, block_sizes={-1: 16})
+    theirs = packed.dequantize(
+        dtype=torch.float32, scale=scale, double_scale=double_scale, block_sizes={-1: 16}
+    )
     assert torch.equal(fake_nvfp4(w), theirs)
 
 
@@ -200,7 +241,11 @@ def test_fp8_matches_modelopt_quantize_dequantize_bit_for_bit(per_row):
 def _enabled_owners(model):
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    return {n.rpartition(".")[0] for n, m in model.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled}
+    return {
+        n.rpartition(".")[0]
+        for n, m in model.named_modules()
+        if isinstance(m, TensorQuantizer) and m.is_enabled
+    }
 
 
 def _forward(adapter, model):
@@ -225,7 +270,9 @@ def test_modelopt_copy_quantizes_our_layers_not_its_name_defaults(precision):
     assert torch.equal(layer.weight, merged_weight(policy.transformer.get_submodule(name)))  # stored high
     assert torch.equal(layer.weight_quantizer.amax.reshape(()), layer.weight.abs().amax())
     if precision == "fp8":
-        torch.testing.assert_close(layer.weight_quantizer(layer.weight), fake_fp8(layer.weight), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            layer.weight_quantizer(layer.weight), fake_fp8(layer.weight), rtol=1e-6, atol=0
+        )
 
 
 @needs_modelopt
@@ -283,9 +330,14 @@ def test_torchao_copy_quantizes_our_layers_and_syncs_in_place(monkeypatch):
     adapter, policy = _policy("sana")
     policy.transformer.to(torch.bfloat16)
     copy = TorchaoCopy(policy.transformer, default_keep_high("sana"), compile=False)
-    subclass = {n for n, m in copy.module.named_modules()
-                if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ == "Float8Tensor"}
-    expected = {f"{n}.linear" if isinstance(copy.module.get_submodule(n), ConvAsLinear) else n for n in copy.quantized}
+    subclass = {
+        n
+        for n, m in copy.module.named_modules()
+        if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ == "Float8Tensor"
+    }
+    expected = {
+        f"{n}.linear" if isinstance(copy.module.get_submodule(n), ConvAsLinear) else n for n in copy.quantized
+    }
     assert subclass == expected and "transformer_blocks.0.ff.conv_inverted.linear" in subclass
     name = "transformer_blocks.0.ff.conv_point"
     weight, qdata = _fp8_weight(copy, name), _fp8_weight(copy, name).qdata

@@ -37,8 +37,9 @@ def test_bf16_copy_equals_the_lora_policy():
     _perturb_lora(policy, 0)
     copy = ExplorationCopy(policy.transformer, "bf16")
     assert not any("lora" in n for n, _ in copy.model.named_parameters())
-    torch.testing.assert_close(_forward(adapter, copy.model), _forward(adapter, policy.transformer),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _forward(adapter, copy.model), _forward(adapter, policy.transformer), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_merged_weight_is_base_plus_scaled_lora_product():
@@ -74,8 +75,10 @@ def test_keep_high_patterns_are_anchored():
     w = merged_weight(policy.transformer.get_submodule("proj_out"))
     assert torch.equal(explore.model.get_submodule("proj_out").weight, w)
     name = next(n for n in explore.quantized if n.endswith(".proj_out"))
-    assert torch.equal(explore.model.get_submodule(name).weight,
-                       fake_nvfp4(merged_weight(policy.transformer.get_submodule(name))))
+    assert torch.equal(
+        explore.model.get_submodule(name).weight,
+        fake_nvfp4(merged_weight(policy.transformer.get_submodule(name))),
+    )
 
 
 def test_unknown_precision_is_named():
@@ -108,8 +111,11 @@ def test_a_1x1_conv_is_quantized_like_the_equivalent_linear_on_channels_last_inp
 
 
 def test_other_convs_stay_high():
-    model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), torch.nn.Conv2d(16, 16, 1, stride=2),
-                                torch.nn.Conv2d(16, 16, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(16, 16, 3, padding=1, groups=16),
+        torch.nn.Conv2d(16, 16, 1, stride=2),
+        torch.nn.Conv2d(16, 16, 2),
+    )
     explore = ExplorationCopy(model, "nvfp4")
     assert explore.quantizable == [] and explore.layer_names == ["0", "1", "2"]
     for name in explore.layer_names:
@@ -122,14 +128,19 @@ def test_sana_copy_merges_the_lora_of_its_1x1_convs():
     conv = "transformer_blocks.0.ff.conv_inverted"
     assert hasattr(policy.transformer.get_submodule(conv), "lora_A")  # SANA's LoRA targets its 1x1 convs
     bf16 = ExplorationCopy(policy.transformer, "bf16")
-    torch.testing.assert_close(_forward(adapter, bf16.model), _forward(adapter, policy.transformer),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _forward(adapter, bf16.model), _forward(adapter, policy.transformer), rtol=1e-5, atol=1e-5
+    )
     nvfp4 = ExplorationCopy(policy.transformer, "nvfp4")
     merged = merged_weight(policy.transformer.get_submodule(conv))
-    assert torch.equal(nvfp4.model.get_submodule(conv).weight, fake_nvfp4(merged.reshape(merged.shape[0], -1))
-                       .reshape(merged.shape))
+    assert torch.equal(
+        nvfp4.model.get_submodule(conv).weight,
+        fake_nvfp4(merged.reshape(merged.shape[0], -1)).reshape(merged.shape),
+    )
     depth = "transformer_blocks.0.ff.conv_depth"
-    assert torch.equal(nvfp4.model.get_submodule(depth).weight, policy.transformer.get_submodule(depth).weight)
+    assert torch.equal(
+        nvfp4.model.get_submodule(depth).weight, policy.transformer.get_submodule(depth).weight
+    )
 
 
 def test_sync_loads_biases_of_layers():

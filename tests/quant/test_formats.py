@@ -33,12 +33,30 @@ def nearest_even(value: float, grid: list[tuple[float, int]]) -> float:
 E2M1 = [(0.0, 0), (0.5, 1), (1.0, 0), (1.5, 1), (2.0, 0), (3.0, 1), (4.0, 0), (6.0, 1)]
 
 
-@pytest.mark.parametrize("x,expected", [
-    (0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0),  # ties to even
-    (0.2, 0.0), (0.3, 0.5), (2.6, 3.0), (4.9, 4.0), (5.1, 6.0),
-    (6.0, 6.0), (7.0, 6.0), (1e9, 6.0),  # saturation
-    (-0.75, -1.0), (-5.0, -4.0), (-100.0, -6.0), (0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "x,expected",
+    [
+        (0.25, 0.0),
+        (0.75, 1.0),
+        (1.25, 1.0),
+        (1.75, 2.0),
+        (2.5, 2.0),
+        (3.5, 4.0),
+        (5.0, 4.0),  # ties to even
+        (0.2, 0.0),
+        (0.3, 0.5),
+        (2.6, 3.0),
+        (4.9, 4.0),
+        (5.1, 6.0),
+        (6.0, 6.0),
+        (7.0, 6.0),
+        (1e9, 6.0),  # saturation
+        (-0.75, -1.0),
+        (-5.0, -4.0),
+        (-100.0, -6.0),
+        (0.0, 0.0),
+    ],
+)
 def test_e2m1_rounding(x, expected):
     assert round_e2m1(torch.tensor([x])).item() == expected
 
@@ -48,18 +66,29 @@ def test_e2m1_matches_a_nearest_grid_search():
     even code), on every midpoint, its fp32 neighbours and random values."""
     mids = [(a + b) / 2 for (a, _), (b, _) in zip(E2M1, E2M1[1:])]
     edges = torch.tensor(mids + [g for g, _ in E2M1])
-    near = torch.cat([edges, torch.nextafter(edges, torch.tensor(10.0)), torch.nextafter(edges, torch.tensor(-1.0))])
+    near = torch.cat(
+        [edges, torch.nextafter(edges, torch.tensor(10.0)), torch.nextafter(edges, torch.tensor(-1.0))]
+    )
     x = torch.cat([near, -near, torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 3])
     expected = torch.tensor([nearest_even(v, E2M1) for v in x.tolist()])
     assert torch.equal(round_e2m1(x), expected)
 
 
-@pytest.mark.parametrize("x,expected", [
-    (448.0, 448.0), (500.0, 448.0), (-1e6, -448.0),  # saturation
-    (1 + 1 / 16, 1.0), (1 + 3 / 16, 1.25), (-(1 + 1 / 16), -1.0),  # ties to even in a binade
-    (2.0**-9, 2.0**-9), (2.0**-10, 0.0), (3 * 2.0**-10, 2.0**-8),  # subnormals and their ties
-    (0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "x,expected",
+    [
+        (448.0, 448.0),
+        (500.0, 448.0),
+        (-1e6, -448.0),  # saturation
+        (1 + 1 / 16, 1.0),
+        (1 + 3 / 16, 1.25),
+        (-(1 + 1 / 16), -1.0),  # ties to even in a binade
+        (2.0**-9, 2.0**-9),
+        (2.0**-10, 0.0),
+        (3 * 2.0**-10, 2.0**-8),  # subnormals and their ties
+        (0.0, 0.0),
+    ],
+)
 def test_e4m3_rounding_hand_values(x, expected):
     assert round_e4m3(torch.tensor([x])).item() == expected
 
@@ -114,7 +143,7 @@ def scalar_nvfp4(values: list[float]) -> list[float]:
     tensor_scale = max(abs(v) for v in values) / (6 * 448)
     out = []
     for start in range(0, len(values), 16):
-        block = values[start:start + 16]
+        block = values[start : start + 16]
         raw = max(abs(v) for v in block) / (6 * tensor_scale)
         raw = 1.0 if raw == 0 else min(max(raw, 2.0**-9), 448.0)  # modelopt's zero and clamp rules
         scale = nearest_even(raw, grid4) * tensor_scale

@@ -28,26 +28,36 @@ def _embedders(prefix, names):
 
 def _sd3_kept(config):
     blocks = range(config.num_layers)
-    return ({"context_embedder", "norm_out.linear", "proj_out"}
-            | _embedders("time_text_embed", ["timestep_embedder", "text_embedder"])
-            | {f"transformer_blocks.{b}.{n}.linear" for b in blocks for n in ("norm1", "norm1_context")})
+    return (
+        {"context_embedder", "norm_out.linear", "proj_out"}
+        | _embedders("time_text_embed", ["timestep_embedder", "text_embedder"])
+        | {f"transformer_blocks.{b}.{n}.linear" for b in blocks for n in ("norm1", "norm1_context")}
+    )
 
 
 def _expected_kept(family, config):
     if family == "flux":
-        return ({"x_embedder", "context_embedder", "norm_out.linear", "proj_out"}
-                | _embedders("time_text_embed", ["timestep_embedder", "guidance_embedder", "text_embedder"])
-                | {f"transformer_blocks.{b}.{n}.linear" for b in range(config.num_layers)
-                   for n in ("norm1", "norm1_context")}
-                | {f"single_transformer_blocks.{b}.norm.linear" for b in range(config.num_single_layers)})
+        return (
+            {"x_embedder", "context_embedder", "norm_out.linear", "proj_out"}
+            | _embedders("time_text_embed", ["timestep_embedder", "guidance_embedder", "text_embedder"])
+            | {
+                f"transformer_blocks.{b}.{n}.linear"
+                for b in range(config.num_layers)
+                for n in ("norm1", "norm1_context")
+            }
+            | {f"single_transformer_blocks.{b}.norm.linear" for b in range(config.num_single_layers)}
+        )
     if family in ("sd3", "toy"):
         return _sd3_kept(config)
     if family == "sana":
-        return ({"patch_embed.proj", "time_embed.linear", "proj_out"}
-                | _embedders("time_embed.emb", ["timestep_embedder"])
-                | {"caption_projection.linear_1", "caption_projection.linear_2"})
-    return ({"condition_embedder.time_proj", "proj_out"}
-            | _embedders("condition_embedder", ["time_embedder", "text_embedder"]))
+        return (
+            {"patch_embed.proj", "time_embed.linear", "proj_out"}
+            | _embedders("time_embed.emb", ["timestep_embedder"])
+            | {"caption_projection.linear_1", "caption_projection.linear_2"}
+        )
+    return {"condition_embedder.time_proj", "proj_out"} | _embedders(
+        "condition_embedder", ["time_embedder", "text_embedder"]
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -71,12 +81,26 @@ def test_flux_single_block_proj_out_is_quantized_and_top_level_kept():
     copy, config = _copy("flux")
     assert re.fullmatch(r".*proj_out.*", "single_transformer_blocks.0.proj_out")  # the pitfall is real
     singles = range(config.num_single_layers)
-    must = {f"single_transformer_blocks.{b}.{n}" for b in singles
-            for n in ("proj_out", "proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v")}
-    must |= _attention_and_ff("transformer_blocks", range(config.num_layers),
-                              ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
-                               "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
-                              ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"])
+    must = {
+        f"single_transformer_blocks.{b}.{n}"
+        for b in singles
+        for n in ("proj_out", "proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v")
+    }
+    must |= _attention_and_ff(
+        "transformer_blocks",
+        range(config.num_layers),
+        [
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.to_out.0",
+            "attn.add_q_proj",
+            "attn.add_k_proj",
+            "attn.add_v_proj",
+            "attn.to_add_out",
+        ],
+        ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
+    )
     assert must <= set(copy.quantized)
     assert "proj_out" in copy.kept and "proj_out" not in copy.quantized
 
@@ -85,8 +109,20 @@ def test_flux_single_block_proj_out_is_quantized_and_top_level_kept():
 def test_sd3_attention_and_feed_forward_are_quantized(family):
     copy, config = _copy(family)
     blocks = range(config.num_layers)
-    must = _attention_and_ff("transformer_blocks", blocks, ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"], ["ff.net.0.proj", "ff.net.2"])
+    must = _attention_and_ff(
+        "transformer_blocks",
+        blocks,
+        [
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.to_out.0",
+            "attn.add_q_proj",
+            "attn.add_k_proj",
+            "attn.add_v_proj",
+        ],
+        ["ff.net.0.proj", "ff.net.2"],
+    )
     assert must <= set(copy.quantized)
     assert "pos_embed.proj" not in copy.quantizable  # a 2x2 patch conv: never quantized
 

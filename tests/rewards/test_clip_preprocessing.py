@@ -31,12 +31,13 @@ def smooth_pil(h, w, seed):
     return Image.fromarray((img * 255).round().byte().permute(1, 2, 0).numpy())
 
 
-
 def test_normalisation_constants_are_openai_clip():
     assert CLIP_MEAN == (0.48145466, 0.4578275, 0.40821073)
     assert CLIP_STD == (0.26862954, 0.26130258, 0.27577711)
     x = torch.ones(1, 3, 2, 2)
-    torch.testing.assert_close(normalize(x)[0, :, 0, 0], (1 - torch.tensor(CLIP_MEAN)) / torch.tensor(CLIP_STD))
+    torch.testing.assert_close(
+        normalize(x)[0, :, 0, 0], (1 - torch.tensor(CLIP_MEAN)) / torch.tensor(CLIP_STD)
+    )
 
 
 def test_pad_vs_crop_on_a_wide_image_hand_checked():
@@ -91,7 +92,10 @@ def test_clip_preprocessing_matches_clip_image_processor(hw):
     uint8, while ours stays float for gradients: at most ~1/255 per pixel apart."""
     from transformers import CLIPImageProcessor
 
-    pil = [smooth_pil(*hw, seed=hw[1]), Image.fromarray((images(1, *hw)[0] * 255).byte().permute(1, 2, 0).numpy())]
+    pil = [
+        smooth_pil(*hw, seed=hw[1]),
+        Image.fromarray((images(1, *hw)[0] * 255).byte().permute(1, 2, 0).numpy()),
+    ]
     ours = normalize(resize_shortest_and_center_crop(to_tensor_batch(pil), 224))
     ref = CLIPImageProcessor()(images=pil, return_tensors="pt")["pixel_values"]
     diff = (ours - ref) * torch.tensor(CLIP_STD).view(1, 3, 1, 1)  # back to [0, 1] pixel units

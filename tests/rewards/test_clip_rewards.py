@@ -40,9 +40,11 @@ def weights(tmp_path_factory):
     root = tmp_path_factory.mktemp("clip_weights")
     # ViT-H-14's config shape with tiny widths and one layer per tower; the real BPE vocab size
     # so open_clip's bundled tokenizer works
-    cfg = {"embed_dim": 16,
-           "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
     (root / f"{TINY_OPENCLIP}.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(root / f"{TINY_OPENCLIP}.json")
     with tiny.seeded(0):
@@ -50,10 +52,21 @@ def weights(tmp_path_factory):
     torch.save({"state_dict": hps.state_dict()}, root / "HPS_v2_compressed.pt")
 
     tok = tiny.clip_tokenizer()
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=32, patch_size=8, projection_dim=16)
-    clip_cfg = CLIPConfig(text_config=tiny.clip_text_config(tok, projection_dim=16).to_dict(),
-                          vision_config=vision.to_dict(), projection_dim=16, logit_scale_init_value=3.0)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=16,
+    )
+    clip_cfg = CLIPConfig(
+        text_config=tiny.clip_text_config(tok, projection_dim=16).to_dict(),
+        vision_config=vision.to_dict(),
+        projection_dim=16,
+        logit_scale_init_value=3.0,
+    )
     with tiny.seeded(1):
         clip = CLIPModel(clip_cfg)
     clip.save_pretrained(root / "clip")
@@ -98,7 +111,7 @@ def test_scores_shape_finite_and_batch_invariant(models, family):
     out = reward(x, PROMPTS, {})
     assert family in out and all(v.shape == (4,) and v.dtype == torch.float32 for v in out.values())
     assert all(torch.isfinite(v).all() for v in out.values())
-    singles = [reward(x[i:i + 1], PROMPTS[i:i + 1], {}) for i in range(4)]
+    singles = [reward(x[i : i + 1], PROMPTS[i : i + 1], {}) for i in range(4)]
     for key, value in out.items():
         torch.testing.assert_close(torch.cat([s[key] for s in singles]), value, atol=1e-5, rtol=0)
 
@@ -138,17 +151,25 @@ def test_bad_inputs_are_clear_errors(models, family):
 def test_pil_input_matches_tensor_input(models, family):
     x = (images(2) * 255).round() / 255
     pil = [Image.fromarray((im * 255).round().byte().permute(1, 2, 0).numpy()) for im in x]
-    torch.testing.assert_close(models[family](pil, PROMPTS[:2], {})[family],
-                               models[family](x, PROMPTS[:2], {})[family], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        models[family](pil, PROMPTS[:2], {})[family],
+        models[family](x, PROMPTS[:2], {})[family],
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reduced_precision_and_to(weights, models, family):
     make = {
-        "hpsv2": lambda **kw: HPSv2(checkpoint=str(weights / "HPS_v2_compressed.pt"), model_name=TINY_OPENCLIP, **kw),
+        "hpsv2": lambda **kw: HPSv2(
+            checkpoint=str(weights / "HPS_v2_compressed.pt"), model_name=TINY_OPENCLIP, **kw
+        ),
         "pickscore": lambda **kw: PickScore(pretrained=str(weights / "clip"), **kw),
         "clipscore": lambda **kw: CLIPScore(pretrained=str(weights / "clip"), **kw),
-        "aesthetic": lambda **kw: LaionAesthetic(pretrained=str(weights / "clip"), head=str(weights / "head.pth"), **kw),
+        "aesthetic": lambda **kw: LaionAesthetic(
+            pretrained=str(weights / "clip"), head=str(weights / "head.pth"), **kw
+        ),
     }[family]
     x, ref = images(2), models[family](images(2), PROMPTS[:2], {})[family]
     low = make(dtype="bfloat16")(x, PROMPTS[:2], {})[family]
@@ -199,13 +220,19 @@ def test_hps_hub_path_and_v21(weights, monkeypatch):
     import huggingface_hub
 
     calls = []
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
-                        lambda repo, name: calls.append((repo, name)) or str(weights / "HPS_v2_compressed.pt"))
+    monkeypatch.setattr(
+        huggingface_hub,
+        "hf_hub_download",
+        lambda repo, name: calls.append((repo, name)) or str(weights / "HPS_v2_compressed.pt"),
+    )
     HPSv2(model_name=TINY_OPENCLIP)
     v21 = HPSv21(model_name=TINY_OPENCLIP)
     HPSv21(checkpoint="someone/HPS-mirror", model_name=TINY_OPENCLIP)
-    assert calls == [("xswu/HPSv2", "HPS_v2_compressed.pt"), ("xswu/HPSv2", "HPS_v2.1_compressed.pt"),
-                     ("someone/HPS-mirror", "HPS_v2.1_compressed.pt")]
+    assert calls == [
+        ("xswu/HPSv2", "HPS_v2_compressed.pt"),
+        ("xswu/HPSv2", "HPS_v2.1_compressed.pt"),
+        ("someone/HPS-mirror", "HPS_v2.1_compressed.pt"),
+    ]
     assert set(v21(images(2), PROMPTS[:2], {})) == {"hpsv21"}
     HPSv2(checkpoint=str(weights), model_name=TINY_OPENCLIP)  # a directory holding the file
 
@@ -283,10 +310,15 @@ def test_pickscore_on_pil_agrees_with_the_processor_pipeline(models, weights):
     pil = [smooth_pil(300, 200, 1), smooth_pil(120, 90, 2)]
     model = CLIPModel.from_pretrained(weights / "clip").eval()
     pixels = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})(
-        images=pil, return_tensors="pt")["pixel_values"]
-    tokens = reward.tokenizer(PROMPTS[:2], padding="max_length", max_length=77, truncation=True, return_tensors="pt")
+        images=pil, return_tensors="pt"
+    )["pixel_values"]
+    tokens = reward.tokenizer(
+        PROMPTS[:2], padding="max_length", max_length=77, truncation=True, return_tensors="pt"
+    )
     with torch.no_grad():
-        out = model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels)
+        out = model(
+            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels
+        )
     official = torch.diagonal(out.logits_per_image)  # logit_scale.exp() * cosine, as PickScore's README
     torch.testing.assert_close(reward(pil, PROMPTS[:2], {})["pickscore"], official, atol=5e-3, rtol=0)
 
@@ -350,11 +382,18 @@ def test_aesthetic_head_sources(weights, tmp_path, monkeypatch):
     import huggingface_hub
 
     with pytest.raises(MissingRewardWeightsError, match="sac\\+logos\\+ava1-l14-linearMSE.pth"):
-        LaionAesthetic(pretrained=str(weights / "clip"), head=str(tmp_path / "sac+logos+ava1-l14-linearMSE.pth"))
+        LaionAesthetic(
+            pretrained=str(weights / "clip"), head=str(tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
+        )
     calls = []
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
-                        lambda repo, name: calls.append((repo, name)) or str(weights / "head.pth"))
-    LaionAesthetic(pretrained=str(weights / "clip"), head="hf://trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth")
+    monkeypatch.setattr(
+        huggingface_hub,
+        "hf_hub_download",
+        lambda repo, name: calls.append((repo, name)) or str(weights / "head.pth"),
+    )
+    LaionAesthetic(
+        pretrained=str(weights / "clip"), head="hf://trl-lib/ddpo-aesthetic-predictor/aesthetic-model.pth"
+    )
     assert calls == [("trl-lib/ddpo-aesthetic-predictor", "aesthetic-model.pth")]
 
 
@@ -366,7 +405,8 @@ def test_hps_random_checkpoint_builds_the_architecture_without_a_file(weights, c
     reward = HPSv21(checkpoint="random", model_name=TINY_OPENCLIP)
     assert "random weights" in capsys.readouterr().out
     real = HPSv2(checkpoint=str(weights / "HPS_v2_compressed.pt"), model_name=TINY_OPENCLIP)
-    assert [(n, p.shape) for n, p in reward.model.named_parameters()] == \
-        [(n, p.shape) for n, p in real.model.named_parameters()]
+    assert [(n, p.shape) for n, p in reward.model.named_parameters()] == [
+        (n, p.shape) for n, p in real.model.named_parameters()
+    ]
     scores = reward(images(), ["a cat"] * 4, {})["hpsv21"]
     assert scores.shape == (4,) and torch.isfinite(scores).all()

@@ -30,11 +30,25 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
 VISION = {"image_size": 32, "patch_size": 8, "width": 48, "depth": 2, "heads": 4}
 # BLIP's med_config.json with BERT-base swapped for a tiny BERT; encoder_width 768 is what the shipped
 # file says, and the loader must override it with the vision width (48) as BLIP_Pretrain does.
-MED = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
-       "hidden_dropout_prob": 0.1, "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
-       "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 4,
-       "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(VOCAB) + 2,
-       "encoder_width": 768, "add_cross_attention": True}
+MED = {
+    "architectures": ["BertModel"],
+    "attention_probs_dropout_prob": 0.1,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1,
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 64,
+    "layer_norm_eps": 1e-12,
+    "max_position_embeddings": 64,
+    "model_type": "bert",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "pad_token_id": 0,
+    "type_vocab_size": 2,
+    "vocab_size": len(VOCAB) + 2,
+    "encoder_width": 768,
+    "add_cross_attention": True,
+}
 PROMPTS = ["a red cat on the mat", "a painting of a blue dog", "the sky"]
 
 
@@ -49,9 +63,13 @@ def _perturb(module: torch.nn.Module, seed: int) -> None:
 
 def _official_extras(vision_width: int, text_width: int) -> dict[str, torch.Tensor]:
     """Keys ImageReward.pt carries that scoring does not use (BLIP_Pretrain ITC heads, med.py buffer)."""
-    return {"blip.vision_proj.weight": torch.randn(256, vision_width), "blip.vision_proj.bias": torch.zeros(256),
-            "blip.text_proj.weight": torch.randn(256, text_width), "blip.text_proj.bias": torch.zeros(256),
-            "blip.text_encoder.embeddings.position_ids": torch.arange(MED["max_position_embeddings"])[None]}
+    return {
+        "blip.vision_proj.weight": torch.randn(256, vision_width),
+        "blip.vision_proj.bias": torch.zeros(256),
+        "blip.text_proj.weight": torch.randn(256, text_width),
+        "blip.text_proj.bias": torch.zeros(256),
+        "blip.text_encoder.embeddings.position_ids": torch.arange(MED["max_position_embeddings"])[None],
+    }
 
 
 def _official_state_dict(net: ImageRewardNet) -> dict[str, torch.Tensor]:
@@ -82,7 +100,9 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reward(files):
     ckpt, tok, _ = files
-    return ImageReward(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", batch_size=3, vision_config=VISION)
+    return ImageReward(
+        checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", batch_size=3, vision_config=VISION
+    )
 
 
 def _images(n=3, h=40, w=56, seed=0):
@@ -92,14 +112,21 @@ def _images(n=3, h=40, w=56, seed=0):
 def test_official_key_layout_is_what_the_loader_reads(files):
     _, _, state = files
     # names as they appear in THUDM's ImageReward.pt (timm ViT + med.py BERT + MLP head)
-    for key in ["blip.visual_encoder.patch_embed.proj.weight", "blip.visual_encoder.cls_token",
-                "blip.visual_encoder.pos_embed", "blip.visual_encoder.blocks.1.attn.qkv.weight",
-                "blip.visual_encoder.blocks.0.mlp.fc2.bias", "blip.visual_encoder.norm.weight",
-                "blip.text_encoder.embeddings.word_embeddings.weight",
-                "blip.text_encoder.encoder.layer.1.attention.self.query.weight",
-                "blip.text_encoder.encoder.layer.0.crossattention.self.key.weight",
-                "blip.text_encoder.encoder.layer.0.crossattention.output.LayerNorm.bias",
-                "blip.text_encoder.encoder.layer.1.output.dense.weight", "mlp.layers.0.weight", "mlp.layers.7.bias"]:
+    for key in [
+        "blip.visual_encoder.patch_embed.proj.weight",
+        "blip.visual_encoder.cls_token",
+        "blip.visual_encoder.pos_embed",
+        "blip.visual_encoder.blocks.1.attn.qkv.weight",
+        "blip.visual_encoder.blocks.0.mlp.fc2.bias",
+        "blip.visual_encoder.norm.weight",
+        "blip.text_encoder.embeddings.word_embeddings.weight",
+        "blip.text_encoder.encoder.layer.1.attention.self.query.weight",
+        "blip.text_encoder.encoder.layer.0.crossattention.self.key.weight",
+        "blip.text_encoder.encoder.layer.0.crossattention.output.LayerNorm.bias",
+        "blip.text_encoder.encoder.layer.1.output.dense.weight",
+        "mlp.layers.0.weight",
+        "mlp.layers.7.bias",
+    ]:
         assert key in state, key
     # cross-attention keys read the ViT width, not med_config's encoder_width
     assert state["blip.text_encoder.encoder.layer.0.crossattention.self.key.weight"].shape == (32, 48)
@@ -122,7 +149,9 @@ def test_scores_shape_finite_and_normalisation_by_hand(reward):
 
 def test_text_input_is_cls_first_padded_to_35(reward):
     seen = {}
-    hook = reward.net.text_encoder.register_forward_pre_hook(lambda m, args: seen.update(ids=args[0], mask=args[1]))
+    hook = reward.net.text_encoder.register_forward_pre_hook(
+        lambda m, args: seen.update(ids=args[0], mask=args[1])
+    )
     try:
         reward(_images(), PROMPTS)
     finally:
@@ -144,7 +173,9 @@ def test_batch_size_invariance(files, reward):
     one = ImageReward(checkpoint=ckpt, tokenizer=tok, device="cpu", batch_size=1, vision_config=VISION)
     batched = reward(images, PROMPTS)["imagereward"]
     torch.testing.assert_close(one(images, PROMPTS)["imagereward"], batched, rtol=0, atol=1e-5)
-    torch.testing.assert_close(reward(images[1:2], PROMPTS[1:2])["imagereward"], batched[1:2], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        reward(images[1:2], PROMPTS[1:2])["imagereward"], batched[1:2], rtol=0, atol=1e-5
+    )
 
 
 def test_gradients_reach_the_images(reward):
@@ -161,7 +192,9 @@ def test_pil_list_and_video_inputs(reward):
     torch.testing.assert_close(pil, reward(tensor, PROMPTS[:2])["imagereward"], rtol=0, atol=1e-6)
     video = torch.stack([_images(seed=1), _images(seed=2)], dim=1)  # (B=3, F=2, 3, H, W)
     frames = [reward(video[:, f], PROMPTS)["imagereward"] for f in range(2)]
-    torch.testing.assert_close(reward(video, PROMPTS)["imagereward"], (frames[0] + frames[1]) / 2, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        reward(video, PROMPTS)["imagereward"], (frames[0] + frames[1]) / 2, atol=1e-6, rtol=0
+    )
 
 
 def test_bfloat16_runs_close_to_float32(files, reward):
@@ -185,17 +218,24 @@ def test_bad_inputs(reward):
 
 def test_missing_files_give_one_clear_error(tmp_path, files):
     _, tok, state = files
-    with pytest.raises(ImageRewardFilesMissing, match="hf download THUDM/ImageReward ImageReward.pt "
-                                                      "med_config.json") as err:
-        ImageReward(checkpoint=tmp_path / "nowhere" / "ImageReward.pt", tokenizer=tok, device="cpu",
-                    vision_config=VISION)
+    with pytest.raises(
+        ImageRewardFilesMissing, match="hf download THUDM/ImageReward ImageReward.pt med_config.json"
+    ) as err:
+        ImageReward(
+            checkpoint=tmp_path / "nowhere" / "ImageReward.pt",
+            tokenizer=tok,
+            device="cpu",
+            vision_config=VISION,
+        )
     assert isinstance(err.value, FileNotFoundError) and "ImageReward.pt" in str(err.value)
     ckpt, _ = _write_files(tmp_path / "no_cfg", state)
     (ckpt.parent / "med_config.json").unlink()
     with pytest.raises(ImageRewardFilesMissing, match="med_config.json"):
         ImageReward(checkpoint=ckpt, tokenizer=tok, device="cpu", vision_config=VISION)
     with pytest.raises(ImageRewardFilesMissing, match="bert-base-uncased"):
-        ImageReward(checkpoint=files[0], tokenizer=tmp_path / "no_tokenizer", device="cpu", vision_config=VISION)
+        ImageReward(
+            checkpoint=files[0], tokenizer=tmp_path / "no_tokenizer", device="cpu", vision_config=VISION
+        )
 
 
 def test_strict_load_names_missing_and_unexpected_keys(tmp_path, files):
@@ -209,7 +249,9 @@ def test_strict_load_names_missing_and_unexpected_keys(tmp_path, files):
         ImageReward(checkpoint=ckpt, tokenizer=tok, device="cpu", vision_config=VISION)
     # a vision_config that is not the checkpoint's fails on shapes, with the file named
     with pytest.raises(ImageRewardCheckpointError, match="size mismatch"):
-        ImageReward(checkpoint=files[0], tokenizer=tok, device="cpu", vision_config={**VISION, "patch_size": 16})
+        ImageReward(
+            checkpoint=files[0], tokenizer=tok, device="cpu", vision_config={**VISION, "patch_size": 16}
+        )
 
 
 def test_preprocess_matches_torchvision_and_hand_normalisation():
@@ -231,11 +273,18 @@ def test_preprocess_is_close_to_the_official_pil_pipeline():
     """The reference resizes uint8 PIL images; the tensor path differs by about the uint8 rounding."""
     from torchvision import transforms as T
 
-    official = T.Compose([T.Resize(224, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(224), T.ToTensor(),
-                          T.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
+    official = T.Compose(
+        [
+            T.Resize(224, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(224),
+            T.ToTensor(),
+            T.Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+        ]
+    )
     rng = np.random.default_rng(0)
-    smooth = torch.nn.functional.interpolate(torch.from_numpy(rng.random((1, 3, 12, 16))).float(), size=(384, 512),
-                                             mode="bilinear")
+    smooth = torch.nn.functional.interpolate(
+        torch.from_numpy(rng.random((1, 3, 12, 16))).float(), size=(384, 512), mode="bilinear"
+    )
     array = (smooth[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     ref = official(Image.fromarray(array))
     ours = preprocess(torch.from_numpy(array).permute(2, 0, 1)[None].float() / 255, 224)[0]
@@ -251,19 +300,41 @@ def test_matches_timm_vit_and_transformers_blip_text_reference(tmp_path):
 
     torch.manual_seed(0)
     vit = timm.models.vision_transformer.VisionTransformer(
-        img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4, num_classes=0, global_pool="").eval()
-    # is_decoder=True only makes BlipTextModel build the cross-attention; forward(is_decoder=False) is bidirectional
-    text = BlipTextModel(BlipTextConfig(vocab_size=MED["vocab_size"], hidden_size=32, encoder_hidden_size=48,
-                                        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        max_position_embeddings=64, is_decoder=True), add_pooling_layer=False).eval()
-    mlp = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
-                              torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
-                              torch.nn.Linear(64, 16), torch.nn.Linear(16, 1)).eval()
+        img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4, num_classes=0, global_pool=""
+    ).eval()
+    # is_decoder=True only makes BlipTextModel build the cross-attention;
+    # forward(is_decoder=False) is bidirectional
+    text = BlipTextModel(
+        BlipTextConfig(
+            vocab_size=MED["vocab_size"],
+            hidden_size=32,
+            encoder_hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            is_decoder=True,
+        ),
+        add_pooling_layer=False,
+    ).eval()
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(32, 1024),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(1024, 128),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(128, 64),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(64, 16),
+        torch.nn.Linear(16, 1),
+    ).eval()
     for i, m in enumerate((vit, text, mlp)):
         _perturb(m, seed=10 + i)
-    state = {**{"blip.visual_encoder." + k: v for k, v in vit.state_dict().items()},
-             **{"blip.text_encoder." + k: v for k, v in text.state_dict().items()},
-             **{"mlp.layers." + k: v for k, v in mlp.state_dict().items()}, **_official_extras(48, 32)}
+    state = {
+        **{"blip.visual_encoder." + k: v for k, v in vit.state_dict().items()},
+        **{"blip.text_encoder." + k: v for k, v in text.state_dict().items()},
+        **{"mlp.layers." + k: v for k, v in mlp.state_dict().items()},
+        **_official_extras(48, 32),
+    }
     ckpt, tok = _write_files(tmp_path, state)
     reward = ImageReward(checkpoint=ckpt, tokenizer=tok, device="cpu", batch_size=2, vision_config=VISION)
 
@@ -271,8 +342,12 @@ def test_matches_timm_vit_and_transformers_blip_text_reference(tmp_path):
     ids, mask = reward.tokenize(PROMPTS)
     with torch.no_grad():
         image_tokens = vit.forward_features(preprocess(images, 32))
-        hidden = text(input_ids=ids, attention_mask=mask, encoder_hidden_states=image_tokens,
-                      encoder_attention_mask=torch.ones(image_tokens.shape[:2], dtype=torch.long)).last_hidden_state
+        hidden = text(
+            input_ids=ids,
+            attention_mask=mask,
+            encoder_hidden_states=image_tokens,
+            encoder_attention_mask=torch.ones(image_tokens.shape[:2], dtype=torch.long),
+        ).last_hidden_state
         expected = (mlp(hidden[:, 0]).squeeze(-1) - 0.16717362830052426) / 1.0333394966054072
         got = reward(images, PROMPTS)["imagereward"]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

@@ -20,12 +20,15 @@ def test_lazy_targets_import_on_first_use_and_objects_pass_through():
     assert "path" not in reg
 
 
-@pytest.mark.parametrize("lookup, typo, suggestion, kind", [
-    (rewards.build, "pickscor", "pickscore", "reward"),
-    (models.adapter_class, "flx", "flux", "model family"),
-    (get_strategy, "treee", "tree", "rollout strategy"),
-    (get_objective, "nf", "nft", "objective"),
-])
+@pytest.mark.parametrize(
+    "lookup, typo, suggestion, kind",
+    [
+        (rewards.build, "pickscor", "pickscore", "reward"),
+        (models.adapter_class, "flx", "flux", "model family"),
+        (get_strategy, "treee", "tree", "rollout strategy"),
+        (get_objective, "nf", "nft", "objective"),
+    ],
+)
 def test_every_registry_names_the_closest_name_and_all_valid_ones(lookup, typo, suggestion, kind):
     with pytest.raises((KeyError, ValueError)) as err:
         lookup(typo)

@@ -11,7 +11,9 @@ from rewards.images import RewardInputError
 
 def test_registry_lists_jpeg_and_rejects_unknown_with_suggestion():
     assert {"jpeg_compressibility", "jpeg_incompressibility"} <= set(rewards.available())
-    with pytest.raises(rewards.UnknownRewardError, match="Did you mean 'jpeg_compressibility'.*Valid rewards"):
+    with pytest.raises(
+        rewards.UnknownRewardError, match="Did you mean 'jpeg_compressibility'.*Valid rewards"
+    ):
         rewards.build("jpeg_compresibility")
 
 
@@ -39,7 +41,7 @@ def test_pil_input_and_video_input_and_batch_invariance():
     r = rewards.build("jpeg_compressibility")
     imgs = torch.rand(3, 3, 16, 16)
     batch = r(imgs, None, {})["jpeg_size_kb"]
-    singles = torch.cat([r(imgs[i:i + 1], None, {})["jpeg_size_kb"] for i in range(3)])
+    singles = torch.cat([r(imgs[i : i + 1], None, {})["jpeg_size_kb"] for i in range(3)])
     assert torch.equal(batch, singles)
     pil = [Image.fromarray((imgs[i] * 255).round().byte().permute(1, 2, 0).numpy()) for i in range(3)]
     torch.testing.assert_close(r(pil, None, {})["jpeg_size_kb"], batch)

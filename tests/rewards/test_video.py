@@ -11,9 +11,16 @@ from rewards.images import RewardInputError
 from rewards.video import VideoVLMReward, uniform_frames
 
 
-@pytest.mark.parametrize("frames,count,expected", [
-    (9, 3, [0, 4, 8]), (10, 4, [0, 3, 6, 9]), (5, 8, [0, 1, 2, 3, 4]), (7, 1, [3]), (2, 2, [0, 1]),
-])
+@pytest.mark.parametrize(
+    "frames,count,expected",
+    [
+        (9, 3, [0, 4, 8]),
+        (10, 4, [0, 3, 6, 9]),
+        (5, 8, [0, 1, 2, 3, 4]),
+        (7, 1, [3]),
+        (2, 2, [0, 1]),
+    ],
+)
 def test_uniform_frames(frames, count, expected):
     assert uniform_frames(frames, count) == expected
 
@@ -31,8 +38,10 @@ def test_frame_reward_aggregates_the_image_reward_over_sampled_frames(aggregate)
     per = torch.stack([image(video[:, i], None, {})["jpeg_compressibility"] for i in (0, 4, 8)], 1)
     expected = per.mean(1) if aggregate == "mean" else per.min(1).values
     torch.testing.assert_close(out["video_frames"], expected)
-    torch.testing.assert_close(torch.cat([reward(video[i:i + 1], ["x"], {})["video_frames"] for i in range(2)]),
-                               out["video_frames"])  # batch-size invariant
+    torch.testing.assert_close(
+        torch.cat([reward(video[i : i + 1], ["x"], {})["video_frames"] for i in range(2)]),
+        out["video_frames"],
+    )  # batch-size invariant
 
 
 def test_video_rewards_reject_images_and_bad_arguments():
@@ -49,8 +58,15 @@ def tiny_clip_dir(tmp_path_factory):
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
     torch.manual_seed(0)
-    cfg = CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8, projection_dim=16)
+    cfg = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=16,
+    )
     path = tmp_path_factory.mktemp("tiny_clip_vision")
     CLIPVisionModelWithProjection(cfg).save_pretrained(path)
     return str(path)

@@ -28,22 +28,35 @@ METRIC = "eval/shapeworld_clause/objects/mean"
 
 
 def short_run(tmp_path, lr: float, steps: int, extra: tuple = ()):
-    cfg = load_config("toy_flowgrpo", [
-        *extra, f"output_dir={tmp_path}", f"train.max_steps={steps}", f"optim.lr={lr}",
-        f"eval.every={steps}", "eval.at_start=true", "eval.train_num_prompts=0", "checkpoint.every=0",
-        "logging.progress_bar=false",
-    ])
+    cfg = load_config(
+        "toy_flowgrpo",
+        [
+            *extra,
+            f"output_dir={tmp_path}",
+            f"train.max_steps={steps}",
+            f"optim.lr={lr}",
+            f"eval.every={steps}",
+            "eval.at_start=true",
+            "eval.train_num_prompts=0",
+            "checkpoint.every=0",
+            "logging.progress_bar=false",
+        ],
+    )
     trainer = Trainer(cfg)
     start = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
     history = trainer.fit()
     moved = any(not torch.equal(a, p) for a, p in zip(start, trainer.policy.trainable_parameters()))
     evals = [row for row in history if METRIC in row]
-    darkness = evals[-1]["eval/fidelity/background_darkness/mean"] / evals[0]["eval/fidelity/background_darkness/mean"]
+    darkness = (
+        evals[-1]["eval/fidelity/background_darkness/mean"]
+        / evals[0]["eval/fidelity/background_darkness/mean"]
+    )
     return evals[0][METRIC], evals[-1][METRIC], moved, darkness
 
 
-@pytest.mark.parametrize("lr, steps, learns", [(None, STEPS, True), (0.0, 2, False)],
-                         ids=["default-lr", "lr-0-control"])
+@pytest.mark.parametrize(
+    "lr, steps, learns", [(None, STEPS, True), (0.0, 2, False)], ids=["default-lr", "lr-0-control"]
+)
 def test_short_run_raises_heldout_reward_past_threshold(tmp_path, lr, steps, learns):
     if lr is None:
         lr = load_config("toy_flowgrpo").optim.lr

@@ -39,9 +39,13 @@ def test_word_tokenizer_covers_the_grammar_and_pools_at_eos():
     for spec in grammar.all_specs():
         ids = tok(spec.caption()).input_ids
         assert tok.unk_token_id not in ids and ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
-    assert len(tok(max((s.caption() for s in grammar.all_specs()), key=len)).input_ids) <= tok.model_max_length
+    assert (
+        len(tok(max((s.caption() for s in grammar.all_specs()), key=len)).input_ids) <= tok.model_max_length
+    )
     adapter = build_adapter(tiny_cfg())
-    assert adapter.pipe.text_encoder.config.eos_token_id == tok.eos_token_id != 2  # 2 = CLIP's legacy argmax path
+    assert (
+        adapter.pipe.text_encoder.config.eos_token_id == tok.eos_token_id != 2
+    )  # 2 = CLIP's legacy argmax path
 
 
 def test_adapter_ode_rollout_matches_the_pipeline_sampler():
@@ -50,10 +54,12 @@ def test_adapter_ode_rollout_matches_the_pipeline_sampler():
     adapter = build_adapter(cfg.model)
     steps = 5
     cond = adapter.encode_prompts(PROMPTS)
-    traj = rollout_independent(adapter, adapter.transformer, cond, [("k", 0), ("k", 1)], cfg,
-                               num_steps=steps, kinds=["ode"] * steps)
-    images = adapter.pipe(PROMPTS, num_inference_steps=steps, guidance_scale=2.0, latents=traj.latents[:, 0],
-                          output_type="pt")
+    traj = rollout_independent(
+        adapter, adapter.transformer, cond, [("k", 0), ("k", 1)], cfg, num_steps=steps, kinds=["ode"] * steps
+    )
+    images = adapter.pipe(
+        PROMPTS, num_inference_steps=steps, guidance_scale=2.0, latents=traj.latents[:, 0], output_type="pt"
+    )
     assert torch.allclose(images, traj.images, atol=1e-5)
 
 
@@ -69,8 +75,11 @@ def test_save_pretrained_round_trip_and_lora(tmp_path):
 
     from peft import LoraConfig
 
-    loaded.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(loaded.default_lora_targets),
-                                              init_lora_weights="gaussian"))
+    loaded.transformer.add_adapter(
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=list(loaded.default_lora_targets), init_lora_weights="gaussian"
+        )
+    )
     with torch.no_grad():
         for name, p in loaded.transformer.named_parameters():
             if "lora_B" in name:
@@ -92,8 +101,12 @@ def test_shipped_model_loads_by_name_and_checks_resolution():
     weights = sum(f.stat().st_size for f in SHIPPED.rglob("*.safetensors"))
     assert weights < 20e6
     adapter = build_adapter(tiny_cfg(pretrained="shapeworld"))
-    v = adapter.velocity(adapter.transformer, torch.zeros(1, 3, 32, 32), torch.tensor([0.5]),
-                         adapter.encode_prompts(PROMPTS[:1]))
+    v = adapter.velocity(
+        adapter.transformer,
+        torch.zeros(1, 3, 32, 32),
+        torch.tensor([0.5]),
+        adapter.encode_prompts(PROMPTS[:1]),
+    )
     assert torch.isfinite(v).all()
     with pytest.raises(ModelLoadError, match="set model.height and model.width to 32"):
         build_adapter(tiny_cfg(pretrained="shapeworld", height=64, width=64))
@@ -103,8 +116,15 @@ def test_pretraining_is_reproducible_and_stopping_early_equals_a_shorter_run(tmp
     from diffrl.toy.pretrain import PretrainConfig, pretrain
 
     def run(name, steps, eval_every):
-        cfg = PretrainConfig(out=str(tmp_path / name), steps=steps, batch_size=4, eval_every=eval_every,
-                             eval_prompts=2, eval_steps=2, snapshots=str(tmp_path / f"{name}-snap"))
+        cfg = PretrainConfig(
+            out=str(tmp_path / name),
+            steps=steps,
+            batch_size=4,
+            eval_every=eval_every,
+            eval_prompts=2,
+            eval_steps=2,
+            snapshots=str(tmp_path / f"{name}-snap"),
+        )
         pretrain(cfg, log=lambda *_: None)
         return ToyPipeline.from_pretrained(tmp_path / name).transformer.state_dict()
 
@@ -133,7 +153,9 @@ def test_caption_noise_corrupts_that_share_of_scenes_and_each_violates_its_capti
     # the verifier (an independent reader of the pixels) fails every corrupted scene
     # against its caption, and passes the caption's own scene
     rnd = random.Random(1)
-    images = [render(s, rnd) for _, s in changed[:40]] + [render(grammar.parse(c), rnd) for c, _ in changed[:40]]
+    images = [render(s, rnd) for _, s in changed[:40]] + [
+        render(grammar.parse(c), rnd) for c, _ in changed[:40]
+    ]
     pixels = torch.from_numpy(__import__("numpy").stack(images)).permute(0, 3, 1, 2).float() / 255
     verdicts = [verify(c, d).strict for (c, _), d in zip(changed[:40] * 2, detect(pixels))]
     assert verdicts[:40] == [0.0] * 40 and verdicts[40:] == [1.0] * 40
@@ -143,8 +165,9 @@ def test_pretraining_continues_from_init_and_noise_changes_only_the_scenes(tmp_p
     from diffrl.toy.pretrain import PretrainConfig, pretrain
 
     def run(name, **kw):
-        cfg = PretrainConfig(out=str(tmp_path / name), steps=1, batch_size=4, eval_every=1, eval_prompts=2,
-                             eval_steps=2, **kw)
+        cfg = PretrainConfig(
+            out=str(tmp_path / name), steps=1, batch_size=4, eval_every=1, eval_prompts=2, eval_steps=2, **kw
+        )
         pretrain(cfg, log=lambda *_: None)
         return ToyPipeline.from_pretrained(tmp_path / name).transformer.state_dict()
 
@@ -183,13 +206,16 @@ def test_kind_weights_set_the_share_of_each_caption_kind_and_uniform_keeps_the_o
 
     train, _ = grammar.split()
     by_kind = [[p for p in train if grammar.parse(p).kind == k] for k in grammar.KINDS]
-    kinds = Counter(grammar.parse(c).kind for c, _ in batch_captions(by_kind, random.Random(0), 3000, 0.0,
-                                                                     [0.0, 1.0, 3.0]))
+    kinds = Counter(
+        grammar.parse(c).kind
+        for c, _ in batch_captions(by_kind, random.Random(0), 3000, 0.0, [0.0, 1.0, 3.0])
+    )
     assert kinds["count"] == 0
     assert abs(kinds["relation"] / 3000 - 0.75) < 0.03  # binomial sd 0.008
     # equal weights of any size replay the draws of the unweighted sampler exactly
-    assert batch_captions(by_kind, random.Random(5), 50, 0.1, [2.0, 2.0, 2.0]) == \
-        batch_captions(by_kind, random.Random(5), 50, 0.1)
+    assert batch_captions(by_kind, random.Random(5), 50, 0.1, [2.0, 2.0, 2.0]) == batch_captions(
+        by_kind, random.Random(5), 50, 0.1
+    )
 
 
 @pytest.mark.parametrize("weights", ["1,1", "1,-1,1", "0,0,0", "a,b,c"])
@@ -202,7 +228,9 @@ def test_pretrain_script_rejects_bad_kind_weights(weights, capsys):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main(["--kind-weights", weights, "--out", "/nonexistent"]) == 2
-    assert "--kind-weights must be 3 non-negative numbers for count, pair, relation" in capsys.readouterr().err
+    assert (
+        "--kind-weights must be 3 non-negative numbers for count, pair, relation" in capsys.readouterr().err
+    )
 
 
 def test_relation_probe_reads_placement_from_pixels_as_the_renderer_drew_it():
@@ -215,13 +243,19 @@ def test_relation_probe_reads_placement_from_pixels_as_the_renderer_drew_it():
 
     prompts = probe.relation_prompts("train", 24)
     rnd = random.Random(0)
-    for relation, right, below in [("to the left of", 1.0, None), ("to the right of", 0.0, None),
-                                   ("above", None, 1.0), ("below", None, 0.0)]:
+    for relation, right, below in [
+        ("to the left of", 1.0, None),
+        ("to the right of", 0.0, None),
+        ("above", None, 1.0),
+        ("below", None, 0.0),
+    ]:
         asked = [probe.with_relation(p, relation) for p in prompts]
         pixels = np.stack([render(grammar.parse(p), rnd, 32, 8) for p in asked])
         row = probe.placement(asked, torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255)
         assert row["n"] == 24  # every rendered object is found once
-        assert row["b_right_of_a" if right is not None else "b_below_a"] == (right if right is not None else below)
+        assert row["b_right_of_a" if right is not None else "b_below_a"] == (
+            right if right is not None else below
+        )
 
 
 def test_relation_probe_sensitivity_isolates_the_relation_word():

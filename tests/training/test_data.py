@@ -11,12 +11,19 @@ def test_txt_and_jsonl(tmp_path):
     assert load_prompts(tmp_path / "p.jsonl") == ["x", "y"]
 
 
-@pytest.mark.parametrize("name,content,match", [
-    ("missing.txt", None, "does not exist"),
-    ("empty.txt", "# only a comment\n\n", "has no prompts"),
-    ("bad.jsonl", '{"prompt": "ok"}\n{not json}\n', r"bad\.jsonl:2: invalid JSON"),
-    ("noprompt.jsonl", '{"text": "x"}\n', r"noprompt\.jsonl:1: expected an object with a string 'prompt'"),
-])
+@pytest.mark.parametrize(
+    "name,content,match",
+    [
+        ("missing.txt", None, "does not exist"),
+        ("empty.txt", "# only a comment\n\n", "has no prompts"),
+        ("bad.jsonl", '{"prompt": "ok"}\n{not json}\n', r"bad\.jsonl:2: invalid JSON"),
+        (
+            "noprompt.jsonl",
+            '{"text": "x"}\n',
+            r"noprompt\.jsonl:1: expected an object with a string 'prompt'",
+        ),
+    ],
+)
 def test_bad_prompt_files(tmp_path, name, content, match):
     path = tmp_path / name
     if content is not None:
@@ -63,8 +70,12 @@ def test_the_installed_entry_points_run_the_cli():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "diffrl.train", "--config", "tiny_toy_flowgrpo", "--dry-run"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "diffrl.train", "--config", "tiny_toy_flowgrpo", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and "run plan:" in out.stdout, out.stderr
     from diffrl.training.data import PROJECT_ROOT
 

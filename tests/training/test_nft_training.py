@@ -8,15 +8,28 @@ from diffrl.config import load_config
 from diffrl.training.trainer import Trainer
 
 
-@pytest.mark.parametrize("name,overrides", [
-    ("tiny_flux_flowgrpo", ()),
-    ("tiny_flux_flowgrpo", ("sampling.sde_type=ode",)),  # no log-probs needed
-    ("tiny_flux_branchgrpo", ("tree.width_pruning=none",)),
-])
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        ("tiny_flux_flowgrpo", ()),
+        ("tiny_flux_flowgrpo", ("sampling.sde_type=ode",)),  # no log-probs needed
+        ("tiny_flux_branchgrpo", ("tree.width_pruning=none",)),
+    ],
+)
 def test_two_nft_steps_move_the_policy_and_the_old_policy(name, overrides, tmp_path):
-    cfg = load_config(name, [f"output_dir={tmp_path}", "train.max_steps=2", "eval.every=0", "checkpoint.every=0",
-                             "logging.progress_bar=false", "objective.name=nft", "objective.nft_old_decay_rate=0.25",
-                             *overrides])
+    cfg = load_config(
+        name,
+        [
+            f"output_dir={tmp_path}",
+            "train.max_steps=2",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "logging.progress_bar=false",
+            "objective.name=nft",
+            "objective.nft_old_decay_rate=0.25",
+            *overrides,
+        ],
+    )
     trainer = Trainer(cfg)
     start = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
     history = trainer.fit()
@@ -33,9 +46,18 @@ def test_two_nft_steps_move_the_policy_and_the_old_policy(name, overrides, tmp_p
 
 
 def test_nft_sample_with_old_rolls_out_with_the_old_policys_weights(tmp_path):
-    cfg = load_config("tiny_toy_flowgrpo", [f"output_dir={tmp_path}", "train.max_steps=1", "eval.every=0",
-                                            "checkpoint.every=0", "logging.progress_bar=false", "objective.name=nft",
-                                            "objective.nft_sample_with=old"])
+    cfg = load_config(
+        "tiny_toy_flowgrpo",
+        [
+            f"output_dir={tmp_path}",
+            "train.max_steps=1",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "logging.progress_bar=false",
+            "objective.name=nft",
+            "objective.nft_sample_with=old",
+        ],
+    )
     trainer = Trainer(cfg)
     params = list(trainer.policy.trainable_parameters())
     with torch.no_grad():  # make the old policy differ from the live weights

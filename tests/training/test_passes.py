@@ -29,7 +29,9 @@ def _mask(seed: int):
 
 @pytest.mark.parametrize("weighting", ["edge", "depth"])
 def test_edge_plan_covers_every_edge_once_with_shares_summing_to_one(weighting):
-    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    cfg = _cfg(
+        "train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}"
+    )
     mask, depth = _mask(0)
     groups = edge_major(mask, depth, 256, cfg, step=7, epoch=1)
     assert len(groups) == optimizer_steps_per_epoch(256, cfg) == 8
@@ -50,7 +52,9 @@ def test_pass_structure_depends_only_on_per_step_counts():
     cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8")
     a = edge_major(*_mask(0), 256, cfg, 3, 0)
     b = edge_major(*_mask(1), 256, cfg, 3, 0)
-    assert [[(len(p.rows), p.t, p.share) for p in g] for g in a] == [[(len(p.rows), p.t, p.share) for p in g] for g in b]
+    assert [[(len(p.rows), p.t, p.share) for p in g] for g in a] == [
+        [(len(p.rows), p.t, p.share) for p in g] for g in b
+    ]
 
 
 def test_timestep_fraction_keeps_that_share_of_each_step():
@@ -72,7 +76,9 @@ def test_sample_plan_steps_once_per_accumulated_micro_batches():
 def test_masked_edges_weigh_as_zero_losses(weighting):
     """The objective averages over a pass's kept rows; shares of kept / all edges make
     every kept edge of a step weigh 1 / (edges), whatever the pass composition."""
-    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    cfg = _cfg(
+        "train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}"
+    )
     mask, depth = _mask(0)
     keep = torch.rand(len(mask), generator=torch.Generator().manual_seed(1)) > 0.3
     for g in edge_major(mask, depth, 256, cfg, 0, 0, keep):
@@ -80,7 +86,11 @@ def test_masked_edges_weigh_as_zero_losses(weighting):
         for p in g:
             kept = int(keep[p.rows].sum())
             assert p.share[0] == kept
-            per_edge = Fraction(1, edges[p.t] * len(edges)) if weighting == "depth" else Fraction(1, sum(edges.values()))
+            per_edge = (
+                Fraction(1, edges[p.t] * len(edges))
+                if weighting == "depth"
+                else Fraction(1, sum(edges.values()))
+            )
             assert Fraction(*p.share) == kept * per_edge
 
 
@@ -90,7 +100,7 @@ def _thinned(mask, depth, seed):
     out = mask.clone()
     for d in range(1, 11):
         idx = torch.nonzero(mask & (depth == d)).flatten()
-        out[idx[torch.randperm(len(idx), generator=g)[:len(idx) // 3 + (d + seed) % 3]]] = False
+        out[idx[torch.randperm(len(idx), generator=g)[: len(idx) // 3 + (d + seed) % 3]]] = False
     return out
 
 
@@ -99,7 +109,9 @@ def test_padding_gives_processes_one_pass_structure_and_leaves_live_rows_alone(w
     """Two processes with differently shaped trees (Sol-RL sub-trees): padded to the per-step
     maximum, both get the same passes of the same sizes; dead rows sit at the right depth,
     and the live rows carry exactly the shares the unpadded plan gives them."""
-    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}")
+    cfg = _cfg(
+        "train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}"
+    )
     mask, depth = _mask(3)
     a, b = _thinned(mask, depth, 0), _thinned(mask, depth, 1)
     counts_a, counts_b = step_edge_counts(a, depth, cfg), step_edge_counts(b, depth, cfg)

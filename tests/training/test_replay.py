@@ -36,8 +36,17 @@ def _replay(adapter, policy, cfg, traj, cond, t, kl_coef=0.0):
             return adapter.velocity(ref, x, s, c)
 
     ctx = LossContext(pv, rv, ocfg, cfg.sampling.noise_level)
-    batch = StepBatch(traj.latents[:, t], traj.latents[:, t + 1], traj.sigmas[t], traj.sigmas[t + 1],
-                      float(traj.sigmas[1]), traj.step_kinds[t], traj.log_probs[:, t], torch.ones(len(traj.keys)), cond)
+    batch = StepBatch(
+        traj.latents[:, t],
+        traj.latents[:, t + 1],
+        traj.sigmas[t],
+        traj.sigmas[t + 1],
+        float(traj.sigmas[1]),
+        traj.step_kinds[t],
+        traj.log_probs[:, t],
+        torch.ones(len(traj.keys)),
+        cond,
+    )
     with torch.no_grad():
         return flow_grpo_loss(ctx, batch)
 
@@ -105,6 +114,14 @@ def test_replay_of_stored_noise_reproduces_sample(tiny_cfg):
     with torch.no_grad():
         for t in range(traj.num_steps):
             v = adapter.velocity(adapter.transformer, x, traj.sigmas[t].expand(2), cond)
-            x = step(traj.step_kinds[t], x, v, traj.sigmas[t], traj.sigmas[t + 1], cfg.sampling.noise_level,
-                     sigma_1=float(traj.sigmas[1]), noise=traj.step_noise[:, t]).next_latents
+            x = step(
+                traj.step_kinds[t],
+                x,
+                v,
+                traj.sigmas[t],
+                traj.sigmas[t + 1],
+                cfg.sampling.noise_level,
+                sigma_1=float(traj.sigmas[1]),
+                noise=traj.step_noise[:, t],
+            ).next_latents
     torch.testing.assert_close(x, traj.latents[:, -1], atol=1e-6, rtol=0)

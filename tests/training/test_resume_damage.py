@@ -18,7 +18,9 @@ QUICK = ["eval.every=0", "checkpoint.every=1", "checkpoint.keep=0", "logging.pro
 
 
 def _cfg(run, steps, *extra):
-    return load_config("tiny_flux_flowgrpo", [f"output_dir={run}", f"train.max_steps={steps}", *QUICK, *extra])
+    return load_config(
+        "tiny_flux_flowgrpo", [f"output_dir={run}", f"train.max_steps={steps}", *QUICK, *extra]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def _truncate(f):
 
 DAMAGE = {
     "no meta.json": (lambda c: (c / "meta.json").unlink(), "no meta.json"),
-    "bad meta.json": (lambda c: (c / "meta.json").write_text("{\"step\": "), "meta.json is damaged"),
+    "bad meta.json": (lambda c: (c / "meta.json").write_text('{"step": '), "meta.json is damaged"),
     "truncated weights": (lambda c: _truncate(c / "trainable.safetensors"), "trainable.safetensors has"),
     "no optimizer": (lambda c: (c / "optimizer.bin").unlink(), "optimizer.bin is missing"),
     # not a safetensors file: only the sizes meta.json recorded at save time can tell
@@ -95,8 +97,22 @@ def test_a_different_lora_rank_is_one_error_naming_the_difference(three_steps, t
     rank = load_config("tiny_flux_flowgrpo").model.lora.rank
     with pytest.raises(CheckpointError, match=f"model.lora.rank is {rank} there and {rank * 2} here"):
         Trainer(_cfg(run, 4, f"model.lora.rank={rank * 2}")).resume("latest")
-    code = main(["--config", "tiny_flux_flowgrpo", "--resume", "latest", "--set", f"output_dir={run}",
-                 "--set", f"model.lora.rank={rank * 2}", "--set", "train.max_steps=4", "--set", "logging.progress_bar=false"])
+    code = main(
+        [
+            "--config",
+            "tiny_flux_flowgrpo",
+            "--resume",
+            "latest",
+            "--set",
+            f"output_dir={run}",
+            "--set",
+            f"model.lora.rank={rank * 2}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "logging.progress_bar=false",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "different model" in err
 

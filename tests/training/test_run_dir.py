@@ -77,8 +77,10 @@ def test_ctrl_c_stops_without_a_traceback_and_names_the_checkpoint_to_resume(tmp
     run = tmp_path / "run"
     assert _cli(run, "--set", "train.max_steps=4") == 130
     err = capsys.readouterr().err.strip()
-    assert err == (f"interrupted: the last checkpoint is {run / 'checkpoints' / 'step-2'} (after iteration 2); "
-                   "continue with --resume latest and the same --config and --set")
+    assert err == (
+        f"interrupted: the last checkpoint is {run / 'checkpoints' / 'step-2'} (after iteration 2); "
+        "continue with --resume latest and the same --config and --set"
+    )
     monkeypatch.setattr(Trainer, "train_step", real)
     assert _cli(run, "--set", "train.max_steps=4", "--resume", "latest") == 0
     assert _steps(run) == [1, 2, 3, 4]

@@ -16,8 +16,17 @@ from tests.helpers import fit_until_killed
 
 
 def _cfg(name, tmp_path, *overrides):
-    return load_config(name, [f"output_dir={tmp_path / name}", "train.max_steps=2", "eval.every=0",
-                              "checkpoint.every=0", "logging.progress_bar=false", *overrides])
+    return load_config(
+        name,
+        [
+            f"output_dir={tmp_path / name}",
+            "train.max_steps=2",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "logging.progress_bar=false",
+            *overrides,
+        ],
+    )
 
 
 def _stage_run(trainer, step=0):
@@ -26,7 +35,9 @@ def _stage_run(trainer, step=0):
     cond = trainer.adapter.encode_prompts(plan.prompts)
     stage = trainer.solrl
     with torch.no_grad():
-        pool = stage.explore(trainer.adapter, stage.explorer(trainer.adapter.transformer), cond, plan.keys, step)
+        pool = stage.explore(
+            trainer.adapter, stage.explorer(trainer.adapter.transformer), cond, plan.keys, step
+        )
     out = stage.run(trainer.adapter, trainer.adapter.transformer, cond, plan.prompts, plan.keys, step)
     return pool, out, plan
 
@@ -40,8 +51,15 @@ def _perturb(trainer, seed=0):
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_bf16_independent_pool_is_reproduced_exactly(tmp_path, batch_size):
-    trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path, "rollout.strategy=independent", "solrl.precision=bf16",
-                           f"rollout.batch_size={batch_size}"))
+    trainer = Trainer(
+        _cfg(
+            "tiny_flux_solrl",
+            tmp_path,
+            "rollout.strategy=independent",
+            "solrl.precision=bf16",
+            f"rollout.batch_size={batch_size}",
+        )
+    )
     _perturb(trainer)
     pool, out, plan = _stage_run(trainer)
     n, k = trainer.cfg.solrl.pool_size, trainer.cfg.rollout.group_size
@@ -59,7 +77,9 @@ def test_bf16_independent_pool_is_reproduced_exactly(tmp_path, batch_size):
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_bf16_tree_pool_sub_tree_is_reproduced_exactly(tmp_path, batch_size):
-    trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path, "solrl.precision=bf16", f"rollout.batch_size={batch_size}"))
+    trainer = Trainer(
+        _cfg("tiny_flux_solrl", tmp_path, "solrl.precision=bf16", f"rollout.batch_size={batch_size}")
+    )
     _perturb(trainer)
     pool, out, _ = _stage_run(trainer)
     n = trainer.cfg.solrl.pool_size
@@ -85,13 +105,23 @@ def test_low_precision_pool_replays_noise_but_differs(tmp_path):
     nodes = subtree_nodes(pool, (out.selected + 8 * torch.arange(2).unsqueeze(1)).flatten())
     assert torch.equal(out.traj.noise, pool.noise[nodes])
     assert not torch.allclose(out.traj.latents, pool.latents[nodes], atol=1e-4)
-    assert -1 <= out.metrics["solrl/kendall_tau"] <= 1 or out.metrics["solrl/kendall_tau"] != out.metrics[
-        "solrl/kendall_tau"]
+    assert (
+        -1 <= out.metrics["solrl/kendall_tau"] <= 1
+        or out.metrics["solrl/kendall_tau"] != out.metrics["solrl/kendall_tau"]
+    )
 
 
 def test_ode_pool_replays_only_the_initial_noise(tmp_path):
-    trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path, "rollout.strategy=independent", "solrl.explore=ode",
-                           "solrl.explore_num_steps=3", "solrl.precision=bf16"))
+    trainer = Trainer(
+        _cfg(
+            "tiny_flux_solrl",
+            tmp_path,
+            "rollout.strategy=independent",
+            "solrl.explore=ode",
+            "solrl.explore_num_steps=3",
+            "solrl.precision=bf16",
+        )
+    )
     pool, out, plan = _stage_run(trainer)
     flat = (out.selected + 8 * torch.arange(2).unsqueeze(1)).flatten()
     assert pool.num_steps == 3 and set(pool.step_kinds) == {"ode"}
@@ -115,14 +145,25 @@ def test_exploration_copy_is_resynced_after_optimizer_steps(tmp_path):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("name,overrides", [
-    ("tiny_flux_solrl", ()),
-    ("tiny_flux_solrl", ("rollout.strategy=independent", "solrl.select=random", "solrl.precision=fp8")),
-    ("tiny_flux_solrl", ("objective.name=nft", "objective.kl_coef=0.01")),
-    # compiled rollouts are covered by tests/perf/test_runtime.py; eager here keeps CI fast
-    ("toy_solrl", ("rollout.prompts_per_step=2", "rollout.batch_size=32", "train.micro_batch_size=8",
-                   "eval.at_start=false", "perf.compile_rollout=false")),
-])
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        ("tiny_flux_solrl", ()),
+        ("tiny_flux_solrl", ("rollout.strategy=independent", "solrl.select=random", "solrl.precision=fp8")),
+        ("tiny_flux_solrl", ("objective.name=nft", "objective.kl_coef=0.01")),
+        # compiled rollouts are covered by tests/perf/test_runtime.py; eager here keeps CI fast
+        (
+            "toy_solrl",
+            (
+                "rollout.prompts_per_step=2",
+                "rollout.batch_size=32",
+                "train.micro_batch_size=8",
+                "eval.at_start=false",
+                "perf.compile_rollout=false",
+            ),
+        ),
+    ],
+)
 def test_two_solrl_steps_train_with_finite_loss(name, overrides, tmp_path):
     trainer = Trainer(_cfg(name, tmp_path, *overrides))
     before = {n: p.detach().clone() for n, p in trainer.policy.trainable_named_parameters()}
@@ -131,8 +172,14 @@ def test_two_solrl_steps_train_with_finite_loss(name, overrides, tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in trainer.policy.trainable_named_parameters())
     row = history[-1]
     assert row["rollout/nfe"] == row["solrl/explore_nfe"] + row["solrl/regenerate_nfe"]
-    for key in ("time/sync", "time/explore", "time/regenerate", "time/update", "solrl/kendall_tau",
-                "solrl/spearman_rho"):
+    for key in (
+        "time/sync",
+        "time/explore",
+        "time/regenerate",
+        "time/update",
+        "solrl/kendall_tau",
+        "solrl/spearman_rho",
+    ):
         assert key in row
     assert row["solrl/explore_nfe"] == trainer.numbers["solrl_explore_nfe_per_iteration"]
     assert row["solrl/regenerate_nfe"] <= trainer.numbers["solrl_regenerate_nfe_per_iteration"]
@@ -142,8 +189,12 @@ def test_two_solrl_steps_train_with_finite_loss(name, overrides, tmp_path):
 
 @pytest.mark.parametrize("objective", ["flow_grpo", "nft"])
 def test_solrl_resume_equivalence(objective, tmp_path):
-    overrides = ("train.max_steps=4", "checkpoint.every=2", f"objective.name={objective}",
-                 "objective.nft_old_decay_rate=0.3")
+    overrides = (
+        "train.max_steps=4",
+        "checkpoint.every=2",
+        f"objective.name={objective}",
+        "objective.nft_old_decay_rate=0.3",
+    )
     full = Trainer(_cfg("tiny_flux_solrl", tmp_path / "full", *overrides))
     full.fit()
     killed = Trainer(_cfg("tiny_flux_solrl", tmp_path / "killed", *overrides))
@@ -158,13 +209,16 @@ def test_solrl_resume_equivalence(objective, tmp_path):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("rollout.group_size=9", "need 2 <= group_size <= pool_size"),
-    ("solrl.explore=ode", "replays only the initial noise"),
-    ("tree.width_pruning=best_worst", "set tree.width_pruning none"),
-    ("solrl.pool_size=16", "the tree has 8 leaves per prompt but solrl.pool_size is 16"),
-    ("solrl.select=top", "solrl.select"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("rollout.group_size=9", "need 2 <= group_size <= pool_size"),
+        ("solrl.explore=ode", "replays only the initial noise"),
+        ("tree.width_pruning=best_worst", "set tree.width_pruning none"),
+        ("solrl.pool_size=16", "the tree has 8 leaves per prompt but solrl.pool_size is 16"),
+        ("solrl.select=top", "solrl.select"),
+    ],
+)
 def test_solrl_config_errors_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny_flux_solrl", [override])

@@ -35,8 +35,13 @@ def test_two_steps_change_parameters_with_finite_loss(family, tiny_cfg):
 
 def test_resume_equivalence(tiny_cfg, tmp_path):
     """4 uninterrupted steps == 2 steps, killed, then resumed for 2 (params within 1e-6)."""
-    overrides = ("train.max_steps=4", "checkpoint.every=2", "optim.scheduler=cosine", "optim.warmup_steps=1",
-                 "train.ema_decay=0.5")
+    overrides = (
+        "train.max_steps=4",
+        "checkpoint.every=2",
+        "optim.scheduler=cosine",
+        "optim.warmup_steps=1",
+        "train.ema_decay=0.5",
+    )
     full = Trainer(tiny_cfg("flux", *overrides, f"output_dir={tmp_path / 'full'}"))
     full.fit()
 
@@ -53,7 +58,9 @@ def test_resume_equivalence(tiny_cfg, tmp_path):
     for s_full, s_res in zip(full.ema.shadow, resumed.ema.shadow):
         torch.testing.assert_close(s_full, s_res, atol=1e-6, rtol=0)
     assert full.scheduler.get_last_lr() == resumed.scheduler.get_last_lr()
-    rows = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert rows == [1, 2, 3, 4]
 
 
@@ -99,8 +106,16 @@ def nan_reward():
 def test_a_nan_reward_drops_its_group_and_trains_on_the_rest(tiny_cfg, nan_reward):
     # 2 prompts x group 4 per iteration (tiny config): NaN on sample 0 of each reward call
     # poisons group 0 only
-    trainer = Trainer(tiny_cfg("flux", "train.max_steps=1", "rewards=[{name: nan_every, args: {every: 8}}]",
-                               "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.batch_size=8"))
+    trainer = Trainer(
+        tiny_cfg(
+            "flux",
+            "train.max_steps=1",
+            "rewards=[{name: nan_every, args: {every: 8}}]",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "rollout.batch_size=8",
+        )
+    )
     before = _params(trainer)
     logged = trainer.fit()[-1]
     assert logged["reward/nonfinite_samples"] == 1 and logged["advantage/dropped_groups"] == 1
@@ -113,10 +128,18 @@ def test_a_nan_reward_drops_its_group_and_trains_on_the_rest(tiny_cfg, nan_rewar
 def test_iterations_with_only_nan_rewards_are_said_and_stop_the_run(tiny_cfg, nan_reward, capsys):
     from diffrl.training.watchdog import TrainingStalledError
 
-    trainer = Trainer(tiny_cfg("flux", "train.max_steps=5", "train.max_skipped_iterations=2",
-                               "rewards=[{name: nan_every, args: {every: 1}}]"))
+    trainer = Trainer(
+        tiny_cfg(
+            "flux",
+            "train.max_steps=5",
+            "train.max_skipped_iterations=2",
+            "rewards=[{name: nan_every, args: {every: 1}}]",
+        )
+    )
     before = _params(trainer)
-    with pytest.raises(TrainingStalledError, match=r"2 iteration\(s\) in a row applied no update.*no checkpoint"):
+    with pytest.raises(
+        TrainingStalledError, match=r"2 iteration\(s\) in a row applied no update.*no checkpoint"
+    ):
         trainer.fit()
     out = capsys.readouterr().out
     assert "warning: iteration 1 applied no update" in out and "non-finite reward(s)" in out
@@ -128,19 +151,40 @@ def test_iterations_with_only_nan_rewards_are_said_and_stop_the_run(tiny_cfg, na
 def test_the_cli_ends_a_nan_stalled_run_with_one_line_and_exit_code_2(tiny_cfg, nan_reward, tmp_path, capsys):
     from diffrl.cli import main
 
-    code = main(["--config", "tiny_flux_flowgrpo", "--set", f"output_dir={tmp_path / 'r'}", "--set", "train.max_steps=3",
-                 "--set", "train.max_skipped_iterations=1", "--set", "eval.every=0", "--set", "logging.progress_bar=false",
-                 "--set", "rewards=[{name: nan_every, args: {every: 1}}]"])
+    code = main(
+        [
+            "--config",
+            "tiny_flux_flowgrpo",
+            "--set",
+            f"output_dir={tmp_path / 'r'}",
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.max_skipped_iterations=1",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "logging.progress_bar=false",
+            "--set",
+            "rewards=[{name: nan_every, args: {every: 1}}]",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: stopped: 1 iteration(s) in a row") and "Traceback" not in err
 
 
 def test_evaluation_keys_and_fixed_seeds(tiny_cfg):
-    trainer = Trainer(tiny_cfg("flux", "eval.every=1", "train.max_steps=1", "eval.seeds=[0, 1]",
-                               "eval.train_num_prompts=3"))
+    trainer = Trainer(
+        tiny_cfg("flux", "eval.every=1", "train.max_steps=1", "eval.seeds=[0, 1]", "eval.train_num_prompts=3")
+    )
     first = trainer.evaluate()
-    assert set(first) >= {"eval/jpeg_incompressibility/mean", "eval/jpeg_incompressibility/se", "eval/n",
-                          "eval_train/jpeg_incompressibility/mean", "eval_train/jpeg_incompressibility/se"}
+    assert set(first) >= {
+        "eval/jpeg_incompressibility/mean",
+        "eval/jpeg_incompressibility/se",
+        "eval/n",
+        "eval_train/jpeg_incompressibility/mean",
+        "eval_train/jpeg_incompressibility/se",
+    }
     assert first["eval/n"] == 2 * min(trainer.cfg.eval.num_prompts, len(trainer.eval_prompts))
     assert first["eval_train/n"] == 2 * 3 and len(trainer.train_eval_prompts) == 3
     assert first["eval_train/jpeg_incompressibility/mean"] != first["eval/jpeg_incompressibility/mean"]
@@ -183,8 +227,11 @@ def test_full_finetune_uses_frozen_reference(tiny_cfg):
 
 
 def test_bf16_autocast_and_gradient_checkpointing_run(tiny_cfg):
-    trainer = Trainer(tiny_cfg("flux", "train.mixed_precision=bf16", "model.gradient_checkpointing=true",
-                               "train.max_steps=1"))
+    trainer = Trainer(
+        tiny_cfg(
+            "flux", "train.mixed_precision=bf16", "model.gradient_checkpointing=true", "train.max_steps=1"
+        )
+    )
     before = _params(trainer)
     history = trainer.fit()
     assert torch.isfinite(torch.tensor(history[-1]["loss"]))

@@ -14,8 +14,17 @@ from tests.helpers import fit_until_killed
 
 
 def _cfg(name, tmp_path, *overrides):
-    return load_config(name, [f"output_dir={tmp_path / name}", "train.max_steps=2", "eval.every=0",
-                              "checkpoint.every=0", "logging.progress_bar=false", *overrides])
+    return load_config(
+        name,
+        [
+            f"output_dir={tmp_path / name}",
+            "train.max_steps=2",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "logging.progress_bar=false",
+            *overrides,
+        ],
+    )
 
 
 def _params(trainer):
@@ -79,7 +88,9 @@ def _grads_of_one_update(trainer, cond, traj, credit):
     trainer.scheduler.step = lambda *a, **k: None
     from diffrl.training.stages import Credit
 
-    typed = Credit(credit.node_rewards, credit.advantages, credit.keep, credit.filtered_fraction, 0, credit.train)
+    typed = Credit(
+        credit.node_rewards, credit.advantages, credit.keep, credit.filtered_fraction, 0, credit.train
+    )
     trainer.updater.run(traj, cond, typed, 0)
     assert len(grads) == 1
     return torch.cat([g.flatten() for g in grads[0]])
@@ -88,9 +99,18 @@ def _grads_of_one_update(trainer, cond, traj, credit):
 def test_pruned_edges_are_exactly_the_ones_missing_from_the_gradient(tmp_path):
     # one optimizer step over every trained edge, no clipping, no KL; SDE on every step so
     # that the leaf edges (after the last split) are trained unless width-pruned
-    trainer = Trainer(_cfg("tiny_flux_branchgrpo", tmp_path, "sampling.sde_window=null",
-                           "train.micro_batch_size=64", "train.num_inner_epochs=1",
-                           "optim.max_grad_norm=0", "objective.kl_coef=0", "objective.clip_range=1e3"))
+    trainer = Trainer(
+        _cfg(
+            "tiny_flux_branchgrpo",
+            tmp_path,
+            "sampling.sde_window=null",
+            "train.micro_batch_size=64",
+            "train.num_inner_epochs=1",
+            "optim.max_grad_norm=0",
+            "objective.kl_coef=0",
+            "objective.clip_range=1e3",
+        )
+    )
     spy = _Spy(trainer.updater._step_batch)
     trainer.updater._step_batch = spy
     cond, traj, total, comps = _rollout(trainer)
@@ -130,8 +150,14 @@ def test_run_plan_reports_tree_nfe():
 
 def test_tree_run_resumes_to_the_same_weights(tmp_path):
     """4 steps == 2 steps + kill + resume, with iteration-dependent sliding windows."""
-    overrides = ("train.max_steps=4", "checkpoint.every=2", "sampling.sde_window=[0,2]",
-                 "sampling.sde_window_slide_every=1", "tree.depth_pruning=[3]", "tree.depth_pruning_slide_every=2")
+    overrides = (
+        "train.max_steps=4",
+        "checkpoint.every=2",
+        "sampling.sde_window=[0,2]",
+        "sampling.sde_window_slide_every=1",
+        "tree.depth_pruning=[3]",
+        "tree.depth_pruning_slide_every=2",
+    )
     full = Trainer(_cfg("tiny_flux_branchgrpo", tmp_path / "full", *overrides))
     full.fit()
     fit_until_killed(Trainer(_cfg("tiny_flux_branchgrpo", tmp_path / "killed", *overrides)), 2)
@@ -155,7 +181,9 @@ def test_a_nan_leaf_reward_drops_its_whole_tree_and_leaves_the_others_as_they_we
     credit = tree_credit(traj, poisoned_total, comps, trainer.cfg, 0)
     bad_tree = traj.tree == traj.tree[leaves[0]]
     assert traj.num_trees > 1 and credit.dropped_groups > 0
-    assert not bool(credit.keep[bad_tree].any()) and torch.equal(credit.advantages[bad_tree], torch.zeros(int(bad_tree.sum())))
+    assert not bool(credit.keep[bad_tree].any()) and torch.equal(
+        credit.advantages[bad_tree], torch.zeros(int(bad_tree.sum()))
+    )
     # the group estimator normalises per (tree, depth): the other trees are untouched
     assert trainer.cfg.advantage.estimator == "group"
     assert torch.equal(credit.advantages[~bad_tree], clean.advantages[~bad_tree])

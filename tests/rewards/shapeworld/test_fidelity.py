@@ -31,8 +31,15 @@ def _reference(image, fg=0.3, halo=1, stray=0.05, tol=0.15):
     obj = [[max(abs(1 - c) for c in px[y][x]) > fg for x in range(w)] for y in range(h)]
 
     def near(y, x, r, grid, want):
-        cells = [grid[j][i] for j in range(y - r, y + r + 1) for i in range(x - r, x + r + 1) if 0 <= j < h and 0 <= i < w]
-        inside = all(0 <= j < h and 0 <= i < w for j in range(y - r, y + r + 1) for i in range(x - r, x + r + 1))
+        cells = [
+            grid[j][i]
+            for j in range(y - r, y + r + 1)
+            for i in range(x - r, x + r + 1)
+            if 0 <= j < h and 0 <= i < w
+        ]
+        inside = all(
+            0 <= j < h and 0 <= i < w for j in range(y - r, y + r + 1) for i in range(x - r, x + r + 1)
+        )
         return any(cells) if want == "any" else (all(cells) and inside)
 
     dark, strays, bg, off, interior = 0.0, 0, 0, 0, 0
@@ -61,7 +68,9 @@ def test_a_uniform_background_tint_is_measured_exactly_and_counted_as_stray_abov
     for tint, stray in ((0.03, 0.0), (0.1, 1.0)):
         tinted = torch.where(white, clean - tint, clean)
         out = fidelity(tinted)
-        torch.testing.assert_close(out["fidelity/background_darkness"], torch.full((8,), tint), atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            out["fidelity/background_darkness"], torch.full((8,), tint), atol=1e-6, rtol=0
+        )
         assert torch.equal(out["fidelity/stray_pixels"], torch.full((8,), stray))
         assert torch.equal(out["fidelity/off_palette"], torch.zeros(8))  # objects untouched
 
@@ -80,7 +89,9 @@ def test_a_soft_edge_next_to_an_object_is_not_background_damage():
 
 def test_washed_out_objects_are_off_palette():
     image = _batch([draw([Placed("red", "square", 4, 4, 10)])])
-    washed = torch.where((image < 1).any(1, keepdim=True), torch.tensor([0.6, 0.35, 0.35]).view(1, 3, 1, 1), image)
+    washed = torch.where(
+        (image < 1).any(1, keepdim=True), torch.tensor([0.6, 0.35, 0.35]).view(1, 3, 1, 1), image
+    )
     assert float(fidelity(image)["fidelity/off_palette"]) == 0.0
     assert float(fidelity(washed)["fidelity/off_palette"]) == 1.0
 

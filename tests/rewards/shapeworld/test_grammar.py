@@ -24,20 +24,26 @@ def test_parse_examples_from_the_issue():
     s = grammar.parse("A blue square to the left of a yellow triangle.")
     assert s.kind == "relation" and s.relation == "to the left of"
     assert [g.thing for g in s.groups] == [("blue", "square"), ("yellow", "triangle")]
-    assert s.clauses() == ["exactly a blue square", "exactly a yellow triangle",
-                           "a blue square to the left of a yellow triangle"]
+    assert s.clauses() == [
+        "exactly a blue square",
+        "exactly a yellow triangle",
+        "a blue square to the left of a yellow triangle",
+    ]
 
 
-@pytest.mark.parametrize("prompt, why", [
-    ("a photo of a cat", "outside the grammar"),
-    ("two red circle", "wrong plural"),
-    ("a red circles", "wrong plural"),
-    ("five red circles", "outside the grammar"),
-    ("a pink circle", "outside the grammar"),
-    ("a red circle above a red circle", "must differ"),
-    ("two red circles and a blue square", "one object each"),
-    ("", "outside the grammar"),
-])
+@pytest.mark.parametrize(
+    "prompt, why",
+    [
+        ("a photo of a cat", "outside the grammar"),
+        ("two red circle", "wrong plural"),
+        ("a red circles", "wrong plural"),
+        ("five red circles", "outside the grammar"),
+        ("a pink circle", "outside the grammar"),
+        ("a red circle above a red circle", "must differ"),
+        ("two red circles and a blue square", "one object each"),
+        ("", "outside the grammar"),
+    ],
+)
 def test_malformed_prompts_raise_one_clear_error(prompt, why):
     with pytest.raises(grammar.PromptGrammarError) as err:
         grammar.parse(prompt)

@@ -22,13 +22,17 @@ def _sample_prompts(n, seed=0):
     return random.Random(seed).sample(train + heldout, n)
 
 
-@pytest.mark.parametrize("resolution, grid", [(32, None), (48, None), (32, 8)], ids=["32px", "48px", "32px-lattice"])
+@pytest.mark.parametrize(
+    "resolution, grid", [(32, None), (48, None), (32, 8)], ids=["32px", "48px", "32px-lattice"]
+)
 def test_accuracy_on_correct_and_deliberately_wrong_renders(resolution, grid):
     rnd = random.Random(resolution)
     prompts = _sample_prompts(400, seed=resolution)
     verifier = rewards.build("shapeworld")
     good = verifier(_batch([render(grammar.parse(p), rnd, resolution, grid) for p in prompts]), prompts)
-    bad = verifier(_batch([render(corrupt(grammar.parse(p), rnd), rnd, resolution, grid) for p in prompts]), prompts)
+    bad = verifier(
+        _batch([render(corrupt(grammar.parse(p), rnd), rnd, resolution, grid) for p in prompts]), prompts
+    )
     assert good["shapeworld_strict"].mean() >= 0.98
     assert bad["shapeworld_strict"].mean() <= 0.02
     # a wrong render breaks some clauses but usually not all of them
@@ -41,9 +45,17 @@ def test_partial_and_strict_follow_the_clauses():
     red, blue = Placed("red", "circle", 2, 10, 10), Placed("blue", "square", 20, 10, 10)
     verifier = ShapeWorldVerifier(score="mean")
     meta = {}
-    out = verifier(_batch([draw([red, blue]), draw([red.__class__("red", "circle", 20, 10, 10),
-                                                  Placed("blue", "square", 2, 10, 10)]), draw([red])]),
-                   [prompt] * 3, meta)
+    out = verifier(
+        _batch(
+            [
+                draw([red, blue]),
+                draw([red.__class__("red", "circle", 20, 10, 10), Placed("blue", "square", 2, 10, 10)]),
+                draw([red]),
+            ]
+        ),
+        [prompt] * 3,
+        meta,
+    )
     assert out["shapeworld_strict"].tolist() == [1.0, 0.0, 0.0]
     assert out["shapeworld_partial"].tolist() == pytest.approx([1.0, 2 / 3, 1 / 3])
     assert out["shapeworld"].tolist() == pytest.approx([1.0, 1 / 3, 1 / 6])
@@ -57,14 +69,21 @@ def test_breakdown_separates_kinds_objects_and_the_relation_and_is_nan_where_it_
     relation = "a red circle to the left of a blue square"
     red_left, blue_right = Placed("red", "circle", 2, 10, 10), Placed("blue", "square", 20, 10, 10)
     red_right, blue_left = Placed("red", "circle", 20, 10, 10), Placed("blue", "square", 2, 10, 10)
-    images = [draw([red_left, blue_right]), draw([red_right, blue_left]), draw([red_left]),
-              draw([Placed("green", "triangle", 4, 4, 8)])]
+    images = [
+        draw([red_left, blue_right]),
+        draw([red_right, blue_left]),
+        draw([red_left]),
+        draw([Placed("green", "triangle", 4, 4, 8)]),
+    ]
     out = ShapeWorldVerifier()(_batch(images), [relation] * 3 + ["a green triangle"])
     nan = float("nan")
 
     def same(key, want):
         got = out[key].tolist()
-        assert len(got) == len(want) and all((g != g and w != w) or g == w for g, w in zip(got, want)), (key, got)
+        assert len(got) == len(want) and all((g != g and w != w) or g == w for g, w in zip(got, want)), (
+            key,
+            got,
+        )
 
     same("shapeworld_kind/relation", [1.0, 0.0, 0.0, nan])
     same("shapeworld_kind/count", [nan, nan, nan, 1.0])
@@ -96,7 +115,9 @@ def test_out_of_grammar_prompt_scores_zero_with_a_reason_and_never_raises():
 def test_check_prompts_names_every_bad_prompt():
     verifier = ShapeWorldVerifier()
     verifier.check_prompts(["a red circle", "two blue squares"])
-    with pytest.raises(grammar.PromptGrammarError, match="2 prompt\\(s\\) outside the grammar: 'a cat'; 'a dog'"):
+    with pytest.raises(
+        grammar.PromptGrammarError, match="2 prompt\\(s\\) outside the grammar: 'a cat'; 'a dog'"
+    ):
         verifier.check_prompts(["a red circle", "a cat", "a dog"])
 
 
@@ -161,9 +182,19 @@ def test_a_prompt_file_outside_the_grammar_fails_at_start_up_with_one_error(tmp_
 
     bad = tmp_path / "prompts.txt"
     bad.write_text("a red circle\na photo of a cat\n")
-    code = main(["--config", "tiny_toy_flowgrpo", "--set", f"data.train_prompts={bad}",
-                 "--set", f"output_dir={tmp_path / 'run'}"])
+    code = main(
+        [
+            "--config",
+            "tiny_toy_flowgrpo",
+            "--set",
+            f"data.train_prompts={bad}",
+            "--set",
+            f"output_dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith(f"error: {bad}: shapeworld reward: 1 prompt(s) outside the grammar: 'a photo of a cat'")
+    assert err.startswith(
+        f"error: {bad}: shapeworld reward: 1 prompt(s) outside the grammar: 'a photo of a cat'"
+    )
     assert "Traceback" not in err and not (tmp_path / "run").exists()
