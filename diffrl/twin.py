@@ -45,7 +45,9 @@ def _rewards(cfg) -> list[dict]:
 
 def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
     """``--set`` assignments that turn ``cfg`` into its tiny-twin smoke run."""
-    video = cfg.model.family == "wan"
+    from diffrl.models import adapter_class
+
+    video = adapter_class(cfg.model.family).is_video_family()
     return [
         "model.pretrained=tiny",
         "model.height=32",

@@ -64,14 +64,39 @@ class ModelLoadError(RuntimeError):
 class FlowAdapter(ABC):
     """One model family over a diffusers pipeline.
 
-    Subclasses set ``family``, ``pipeline_class`` and ``default_lora_targets`` and
-    implement the abstract methods. Construct them through
+    Subclasses set ``family``, ``pipeline_class``, ``default_lora_targets`` and the family
+    facts below, and implement the abstract methods. Construct them through
     ``diffrl.models.build_adapter(cfg.model)``.
+
+    The family facts are class attributes so that the run plan, the tiny twin and the
+    exploration copy read them without building a model (``diffrl.models.adapter_class``).
     """
 
     family: str = ""
-    is_video: bool = False
     default_lora_targets: tuple[str, ...] = ()
+    # -- family facts
+    latent_channels: int = 16  # channels of the unpacked latent
+    spatial_downsample: int = 8  # pixels per latent element along height and width
+    temporal_downsample: int | None = None  # video: frames per latent frame (the first kept alone)
+    cfg_as_batch: bool = True  # CFG runs a negative batch; FLUX distils guidance into an embedding
+    keep_high: tuple[str, ...] = ()  # regexes of layers the low-precision copy keeps in high precision
+
+    @classmethod
+    def is_video_family(cls) -> bool:
+        return cls.temporal_downsample is not None
+
+    @property
+    def is_video(self) -> bool:
+        return self.is_video_family()
+
+    @classmethod
+    def latent_numel(cls, model_cfg) -> int:
+        """Latent elements of one sample at ``model_cfg``'s size (the trajectory buffers)."""
+        frames = 1
+        if cls.temporal_downsample is not None:
+            frames = (model_cfg.num_frames - 1) // cls.temporal_downsample + 1
+        factor = cls.spatial_downsample
+        return cls.latent_channels * frames * (model_cfg.height // factor) * (model_cfg.width // factor)
 
     def __init__(self, pipe, model_cfg):
         self.pipe = pipe

@@ -18,6 +18,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
 from diffrl.models.loading import PipelineAdapter, finalize_pipeline, module_dtype, unwrap
+from diffrl.quant import keep_high as keep_high_patterns
 
 # Real FLUX.1 VAE latent normalisation (diffusers AutoencoderKL config of FLUX.1-dev).
 _FLUX_VAE_SCALING = 0.3611
@@ -29,6 +30,9 @@ class FluxAdapter(PipelineAdapter):
 
     family = "flux"
     pipeline_class = FluxPipeline
+    # 16-channel VAE latents at 1/8 (packed 2x2 into 64 channels at 1/16: the same count)
+    cfg_as_batch = False  # guidance is an embedding of the distilled transformer
+    keep_high = keep_high_patterns.FLUX
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     # flow_grpo / diffusers train_dreambooth_lora_flux.py: attention (image and context
     # streams) and both feed-forwards of the double-stream blocks; "attn.to_q/k/v" also

@@ -28,6 +28,7 @@ from diffrl.models.loading import (
     scheduler_sigmas,
     unwrap,
 )
+from diffrl.quant import keep_high as keep_high_patterns
 
 
 def _tiny_gemma2(tok):
@@ -78,6 +79,8 @@ class SanaAdapter(PipelineAdapter):
 
     family = "sana"
     pipeline_class = SanaPipeline
+    latent_channels, spatial_downsample = 32, 32  # DC-AE
+    keep_high = keep_high_patterns.SANA
     cond_keys = ("prompt_embeds", "prompt_attention_mask")
     # Self (linear) and cross attention projections, plus the 1x1 convolutions of the
     # GLUMBConv feed-forward (its small depthwise 3x3 conv stays frozen).

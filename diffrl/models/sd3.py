@@ -15,6 +15,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
 from diffrl.models.loading import PipelineAdapter, finalize_pipeline, module_dtype
+from diffrl.quant import keep_high as keep_high_patterns
 
 # Real SD3/SD3.5 VAE latent normalisation.
 _SD3_VAE_SCALING = 1.5305
@@ -26,6 +27,7 @@ class SD3Adapter(PipelineAdapter):
 
     family = "sd3"
     pipeline_class = StableDiffusion3Pipeline
+    keep_high = keep_high_patterns.SD3  # 16-channel VAE latents at 1/8
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     # flow_grpo train_sd3.py / diffusers train_dreambooth_lora_sd3.py: joint attention,
     # image stream (to_*) and context stream (add_*_proj, to_add_out).

@@ -238,6 +238,7 @@ class ToyAdapter(SD3Adapter):
 
     family = "toy"
     pipeline_class = ToyPipeline
+    latent_channels, spatial_downsample = 3, 1  # RGB pixels, no VAE
 
     @classmethod
     def build_tiny(cls, model_cfg) -> ToyAdapter:

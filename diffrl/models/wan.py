@@ -26,14 +26,16 @@ from diffrl.models.loading import (
     module_dtype,
     scheduler_sigmas,
 )
+from diffrl.quant import keep_high as keep_high_patterns
 
 
 class WanAdapter(PipelineAdapter):
     """Wan 2.1 T2V: UMT5 embeddings, video latents (C, F_lat, h, w), CFG with empty-prompt negatives."""
 
     family = "wan"
-    is_video = True
     pipeline_class = WanPipeline
+    temporal_downsample = 4  # causal 3D VAE: F_lat = (F - 1) // 4 + 1, 16 channels at 1/8
+    keep_high = keep_high_patterns.WAN
     cond_keys = ("prompt_embeds",)
     # diffusers/finetrainers Wan LoRA and flow_grpo train_wan2_1.py: self- and
     # cross-attention projections plus the feed-forward.

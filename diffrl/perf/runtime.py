@@ -69,7 +69,8 @@ def compiled(module: torch.nn.Module, perf, log=print):
 
 
 def apply_attention_backend(transformer: torch.nn.Module, name: str | None) -> None:
-    """Switch a diffusers transformer's attention to backend ``name`` (None: leave as is)."""
+    """Switch a diffusers transformer's attention to backend ``name`` (None: leave as is).
+    diffusers also makes ``name`` the process-wide active backend: a run uses one backend."""
     if name is None:
         return
     if "hub" in name:

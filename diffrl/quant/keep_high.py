@@ -35,50 +35,45 @@ from collections.abc import Iterable
 # last block's AdaLayerNormContinuous context norm also name their linear ``.linear``)
 _DOUBLE_BLOCK_MODULATION = r"transformer_blocks\.\d+\.norm1(_context)?\.linear"
 
-_SD3 = (
+SD3 = (
     r"pos_embed\.proj",  # patch embedding conv (2x2; never quantized, listed for intent)
     r"context_embedder",
     r"time_text_embed\..+",  # timestep and pooled-text embedders
     _DOUBLE_BLOCK_MODULATION,
     r"norm_out\.linear",
     r"proj_out",
+)  # also the toy model's: it is an SD3Transformer2DModel
+
+FLUX = (
+    r"x_embedder",
+    r"context_embedder",
+    r"time_text_embed\..+",  # timestep, guidance and pooled-text embedders
+    _DOUBLE_BLOCK_MODULATION,
+    r"single_transformer_blocks\.\d+\.norm\.linear",  # AdaLayerNormZeroSingle
+    r"norm_out\.linear",
+    r"proj_out",  # top level only: single_transformer_blocks.N.proj_out is quantized
 )
 
-KEEP_HIGH: dict[str, tuple[str, ...]] = {
-    "flux": (
-        r"x_embedder",
-        r"context_embedder",
-        r"time_text_embed\..+",  # timestep, guidance and pooled-text embedders
-        _DOUBLE_BLOCK_MODULATION,
-        r"single_transformer_blocks\.\d+\.norm\.linear",  # AdaLayerNormZeroSingle
-        r"norm_out\.linear",
-        r"proj_out",  # top level only: single_transformer_blocks.N.proj_out is quantized
-    ),
-    "sd3": _SD3,
-    "toy": _SD3,  # the toy model is an SD3Transformer2DModel
-    "sana": (
-        r"patch_embed\.proj",  # a 1x1 conv when patch_size is 1: quantizable, so listed
-        r"time_embed\..+",  # AdaLayerNormSingle: timestep embedder + the shared adaLN-single linear
-        r"caption_projection\..+",
-        r"proj_out",
-    ),
-    "wan": (
-        r"patch_embedding",  # Conv3d (never quantized, listed for intent)
-        r"condition_embedder\..+",  # time / text (/ image) embedders and time_proj, the adaLN modulation
-        r"proj_out",
-    ),
-}
+SANA = (
+    r"patch_embed\.proj",  # a 1x1 conv when patch_size is 1: quantizable, so listed
+    r"time_embed\..+",  # AdaLayerNormSingle: timestep embedder + the shared adaLN-single linear
+    r"caption_projection\..+",
+    r"proj_out",
+)
 
-FAMILIES = tuple(sorted(KEEP_HIGH))
+WAN = (
+    r"patch_embedding",  # Conv3d (never quantized, listed for intent)
+    r"condition_embedder\..+",  # time / text (/ image) embedders and time_proj, the adaLN modulation
+    r"proj_out",
+)
 
 
 def default_keep_high(family: str) -> tuple[str, ...]:
-    """The anchored keep-high regexes of ``family`` (one of :data:`FAMILIES`)."""
-    if family not in KEEP_HIGH:
-        raise ValueError(
-            f"no keep-high list for model family '{family}'; valid families: {', '.join(FAMILIES)}"
-        )
-    return KEEP_HIGH[family]
+    """The anchored keep-high regexes of ``family``: a fact of its adapter class
+    (``FlowAdapter.keep_high``, set from the tuples above)."""
+    from diffrl.models import adapter_class
+
+    return adapter_class(family).keep_high
 
 
 def compile_patterns(patterns: Iterable[str]) -> list[re.Pattern]:

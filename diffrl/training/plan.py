@@ -8,18 +8,21 @@ from diffrl.config import ConfigError
 from diffrl.sampling.windows import step_kinds
 from diffrl.training.passes import trained_step_count
 
-# latent elements per pixel-area unit: (channels, spatial downsampling, packs frames?)
-_LATENT_LAYOUT = {"flux": (16, 8), "sd3": (16, 8), "sana": (32, 32), "wan": (16, 8)}
+
+def _family(cfg):
+    """The family's adapter class, whose class attributes hold its facts (latent layout,
+    CFG rule, video): read without building a model."""
+    from diffrl.models import adapter_class
+
+    return adapter_class(cfg.model.family)
 
 
 def _uses_cfg(cfg) -> bool:
-    return cfg.model.family != "flux" and cfg.model.guidance_scale > 1.0
+    return _family(cfg).cfg_as_batch and cfg.model.guidance_scale > 1.0
 
 
 def latent_numel(cfg) -> int:
-    channels, factor = _LATENT_LAYOUT.get(cfg.model.family, (16, 8))
-    frames = (cfg.model.num_frames - 1) // 4 + 1 if cfg.model.family == "wan" else 1
-    return channels * frames * (cfg.model.height // factor) * (cfg.model.width // factor)
+    return _family(cfg).latent_numel(cfg.model)
 
 
 def _tree_numbers(cfg, trees_per_process: int) -> dict[str, float]:

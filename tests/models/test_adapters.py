@@ -415,3 +415,36 @@ def test_lora_round_trip_through_load_lora_weights(family, tmp_path):
     fresh.pipe.load_lora_weights(tmp_path)
     reloaded = fresh.velocity(fresh.transformer, x, sigma, fresh.encode_prompts(PROMPTS[:2]))
     torch.testing.assert_close(reloaded, tuned, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- family facts
+
+
+@pytest.mark.parametrize("arch", ["flux1-dev", "sd35-medium", "sana1.5-1.6b"])
+def test_family_latent_facts_match_the_published_vae(arch):
+    """The run plan's latent layout comes from the adapter class; it must be the real
+    VAE's (channels, and 2^(levels - 1) downsampling), not a tiny twin's."""
+    import json
+    from pathlib import Path
+
+    spec = json.loads((Path(__file__).resolve().parents[2] / "assets" / "arch" / f"{arch}.json").read_text())
+    cls = adapter_class(spec["family"])
+    vae = spec["vae"]
+    levels = len(vae.get("block_out_channels") or vae["encoder_block_out_channels"])
+    assert (cls.latent_channels, cls.spatial_downsample) == (vae["latent_channels"], 2 ** (levels - 1))
+
+
+def test_toy_facts_are_its_pixels_and_wan_counts_latent_frames():
+    toy = make("toy")
+    assert type(toy).latent_numel(toy.cfg) == math.prod(toy.latent_shape())  # 3 x 32 x 32: no VAE
+    wan = make("wan")  # 5 frames -> (5 - 1) // 4 + 1 = 2 latent frames, as its tiny VAE gives
+    assert wan.latent_shape()[1] == (wan.cfg.num_frames - 1) // type(wan).temporal_downsample + 1
+    assert [adapter_class(f).cfg_as_batch for f in ("flux", "sd3")] == [False, True]
+    assert adapter_class("wan").is_video_family() and not adapter_class("sd3").is_video_family()
+
+
+def test_run_plan_sizes_toy_trajectories_from_its_pixels():
+    from diffrl.config import load_config
+    from diffrl.training.plan import latent_numel
+
+    assert latent_numel(load_config("toy_flowgrpo")) == 3 * 32 * 32  # was 16 x 4 x 4, 12x too low

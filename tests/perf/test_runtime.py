@@ -40,7 +40,22 @@ def test_cuda_graphs_need_cuda():
         compiled(torch.nn.Linear(2, 2), _perf(compile_rollout="true", compile_mode="reduce-overhead"))
 
 
-def test_attention_backend_switch_and_its_errors(tiny_cfg):
+@pytest.fixture
+def restore_attention_backend():
+    """diffusers' set_attention_backend also switches the process-wide active backend;
+    put it back so later tests (the golden runs) see the default numerics."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
+    yield
+    if _AttentionBackendRegistry.get_active_backend()[0] != previous:
+        from diffusers import ModelMixin
+
+        ModelMixin().set_attention_backend(previous.value)
+    assert _AttentionBackendRegistry.get_active_backend()[0] == previous
+
+
+def test_attention_backend_switch_and_its_errors(tiny_cfg, restore_attention_backend):
     adapter = build_adapter(tiny_cfg("flux").model)
     x, sigma, cond = velocity_inputs(adapter, 2)
     with torch.no_grad():

@@ -168,7 +168,7 @@ def test_build_with_a_custom_list_and_an_unknown_family():
         policy.transformer, "sd3", "fp8", "reference", keep_high=[], log=lines.append
     )
     assert copy.kept == [] and "custom keep_high" in lines[0]
-    with pytest.raises(ValueError, match="valid families"):
+    with pytest.raises(ValueError, match="Valid model families"):
         build_exploration_copy(policy.transformer, "sdxl", "fp8", "reference", log=lines.append)
 
 

@@ -7,9 +7,12 @@ import re
 import pytest
 
 from diffrl.config import load_config
+from diffrl.models import available as available_families
 from diffrl.models import build_adapter
 from diffrl.quant.exploration import ExplorationCopy
-from diffrl.quant.keep_high import FAMILIES, default_keep_high, split_keep_high
+from diffrl.quant.keep_high import default_keep_high, split_keep_high
+
+FAMILIES = available_families()
 
 _CACHE = {}
 
@@ -147,7 +150,7 @@ def test_wan_attention_and_feed_forward_are_quantized():
 
 
 def test_unknown_family_names_the_valid_ones():
-    with pytest.raises(ValueError, match="valid families: flux, sana, sd3, toy, wan"):
+    with pytest.raises(ValueError, match="Valid model families: flux, sana, sd3, toy, wan"):
         default_keep_high("sdxl")
 
 
