@@ -32,6 +32,7 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
     device = adapter.device
     leaves = torch.sort(torch.as_tensor(leaves)).values
     nodes = subtree_nodes(pool, leaves)
+    # pool node index -> position in the sub-tree (-1: not kept), to remap parents
     remap = torch.full((pool.depth.numel(),), -1, dtype=torch.long)
     remap[nodes] = torch.arange(len(nodes))
     depth, tree = pool.depth[nodes], pool.tree[nodes]
@@ -53,8 +54,12 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
         )
         nfe += len(here)
         children = torch.nonzero(depth == t + 1).flatten()
-        # position of each child's parent within ``here``
+        # position of each child's parent within ``here`` (both sorted, so searchsorted):
+        # a parent is evaluated once and its velocity shared by its kept children
         parent_pos = torch.searchsorted(here, remap[pool.parent[nodes[children]]])
+        # the pool's own draw for each edge (scaled at splits in draw mode): with the same
+        # weights the regenerated child equals the pool's; with the BF16 policy it is the
+        # same noise through a better model, which is what Sol-RL regenerates
         eps = pool.noise[nodes[children]].to(device)
         res = step(
             kind,

@@ -147,14 +147,18 @@ def edge_major(
     counts = step_edge_counts(train, depth, cfg)
     for t in sorted(set(counts) | set(pad_to or {})):
         edges = torch.nonzero(train & (depth - 1 == t)).flatten()
+        # keyed by (seed, iteration, epoch, step): a resumed run shuffles the same way
         perm = torch.randperm(len(edges), generator=rng.generator(cfg.seed, "edges", step, epoch, t))
-        edges = edges[perm[: counts.get(t, 0)]]
+        edges = edges[perm[: counts.get(t, 0)]]  # the timestep_fraction share of this step
         live = len(edges)
         target = max(live, (pad_to or {}).get(t, 0))
-        if target > live:
+        if target > live:  # DDP padding: dead copies of a real node, forwarded with weight 0
             filler = torch.nonzero(depth - 1 == t).flatten()[:1]
             edges = torch.cat([edges, filler.repeat(target - live)])
         alive = torch.arange(target) < live
+        # spread each step's edges over the optimizer steps; the offset t rotates which
+        # optimizer step gets the remainder, so a step with fewer edges than optimizer
+        # steps does not always land in the first ones
         for i, (part, part_live) in enumerate(
             zip(torch.tensor_split(edges, n_groups), torch.tensor_split(alive, n_groups))
         ):

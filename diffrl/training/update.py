@@ -148,6 +148,11 @@ class Updater:
         self, ctx, traj, cond, advantages, keep, passes: list[Pass], totals, epoch: int = 0
     ) -> None:
         """Accumulate gradients over ``passes``, then step once."""
+        # Every process runs the same passes (passes.py guarantees it), so the gradient
+        # all-reduce of DDP happens once, on the last pass: no_sync skips it on the others.
+        # A non-finite loss anywhere marks the step bad on every process (_any_process is
+        # a collective), and the remaining passes still run their forwards so that the
+        # processes stay in step; only the backward is skipped.
         bad = False
         for i, p in enumerate(passes):
             batch = self._step_batch(traj, cond, advantages, keep, p)
@@ -171,10 +176,13 @@ class Updater:
                 self.policy.trainable_parameters(), self.cfg.optim.max_grad_norm
             )
             bad = _any_process(self.acc, not bool(torch.isfinite(grad_norm)))
-        if bad:
+        if bad:  # discard the partial gradient: a blow-up is never applied, only counted
             self.optimizer.zero_grad(set_to_none=True)
             self.counters.skipped_nonfinite_loss += 1
             return
+        # the scheduler is stepped here, once per optimizer step, rather than by accelerate
+        # (which would step it once per process); the EMA and Sol-RL's stale mark follow
+        # every applied step, never a skipped one
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
