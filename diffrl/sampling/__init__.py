@@ -1,7 +1,8 @@
 """Samplers: SDE/ODE steps with log-prob, keyed RNG, and rollout strategies by name.
 
 A rollout strategy has the signature
-``strategy(adapter, transformer, cond, keys, cfg, iteration=0)`` returning a
+``strategy(adapter, transformer, cond, keys, settings, iteration=0)``, where ``settings``
+is a :class:`SamplerSettings` (or a whole Config, which it narrows), returning a
 :class:`Trajectory` (independent paths) or a :class:`TreeTrajectory` (BranchGRPO), so
 that the trainer can swap independent rollouts for a tree sampler or a low-precision
 pool. ``iteration`` places sliding SDE windows.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from diffrl.sampling.rollout import Trajectory, rollout_independent
 from diffrl.sampling.sde import STEP_KINDS, gaussian_kl, gaussian_log_prob, step
+from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.tree import TreeSpec, TreeTrajectory, rollout_tree
 from rewards.registry import Registry
 
@@ -34,6 +36,7 @@ def get_strategy(name: str):
 
 
 __all__ = [
+    "SamplerSettings",
     "STEP_KINDS",
     "Trajectory",
     "available_strategies",

@@ -13,6 +13,7 @@ import torch
 
 from diffrl.sampling import rng
 from diffrl.sampling.sde import step
+from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.windows import step_kinds
 
 
@@ -176,17 +177,19 @@ def rollout_independent(
     kinds: list[str] | None = None,
     iteration: int = 0,
 ) -> Trajectory:
-    """Independent rollouts for ``keys`` in chunks of ``cfg.rollout.batch_size``, decoded.
+    """Independent rollouts for ``keys`` in chunks of ``rollout.batch_size``, decoded.
 
-    ``cond`` holds one row per key. Each path's noise depends only on its key, so the
-    result is the same whatever the chunking (tested). ``iteration`` places a sliding
-    SDE window (see :mod:`diffrl.sampling.windows`).
+    ``cfg`` is a Config or its :class:`SamplerSettings`. ``cond`` holds one row per key.
+    Each path's noise depends only on its key, so the result is the same whatever the
+    chunking (tested). ``iteration`` places a sliding SDE window (see
+    :mod:`diffrl.sampling.windows`).
     """
-    n = num_steps or cfg.sampling.num_steps
+    s = SamplerSettings.of(cfg)
+    n = num_steps or s.sampling.num_steps
     sigmas = adapter.sigmas(n).float()
-    kinds = kinds or step_kinds(cfg.sampling, n, iteration)
+    kinds = kinds or step_kinds(s.sampling, n, iteration)
     parts = []
-    bs = cfg.rollout.batch_size
+    bs = s.batch_size
     for start in range(0, len(keys), bs):
         idx = list(range(start, min(start + bs, len(keys))))
         traj = denoise(
@@ -196,8 +199,8 @@ def rollout_independent(
             [keys[i] for i in idx],
             sigmas,
             kinds,
-            cfg.sampling.noise_level,
-            cfg.objective.logprob_reduction,
+            s.sampling.noise_level,
+            s.logprob_reduction,
         )
         with torch.no_grad():
             traj.images = adapter.decode(traj.latents[:, -1]).float()

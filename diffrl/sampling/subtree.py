@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from diffrl.sampling.sde import step
+from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.tree import TreeTrajectory, velocity_chunks
 
 
@@ -37,7 +38,8 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
     remap[nodes] = torch.arange(len(nodes))
     depth, tree = pool.depth[nodes], pool.tree[nodes]
     sigmas, sigma_1 = pool.sigmas, float(pool.sigmas[1]) if pool.num_steps > 0 else None
-    reduction = cfg.objective.logprob_reduction
+    cfg = SamplerSettings.of(cfg)
+    reduction = cfg.logprob_reduction
 
     n, shape = len(nodes), pool.latents.shape[1:]
     latents = torch.zeros((n, *shape), device=device)
@@ -50,7 +52,7 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
         here = torch.nonzero(depth == t).flatten()
         rows = [pool.cond_rows[k] for k in tree[here].tolist()]
         v = velocity_chunks(
-            adapter, transformer, latents[here], sigmas[t].to(device), cond, rows, cfg.rollout.batch_size
+            adapter, transformer, latents[here], sigmas[t].to(device), cond, rows, cfg.batch_size
         )
         nfe += len(here)
         children = torch.nonzero(depth == t + 1).flatten()
@@ -96,6 +98,6 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
         nfe=nfe,
     )
     final = traj.latents[traj.leaf_nodes()]
-    bs = cfg.rollout.batch_size
+    bs = cfg.batch_size
     traj.images = torch.cat([adapter.decode(final[s : s + bs]).float() for s in range(0, len(final), bs)])
     return traj

@@ -43,6 +43,7 @@ import torch
 from diffrl.sampling import rng
 from diffrl.sampling.rollout import Trajectory, initial_noise
 from diffrl.sampling.sde import step
+from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.windows import step_kinds
 
 
@@ -74,7 +75,7 @@ class TreeSpec:
 
     @classmethod
     def from_config(cls, cfg) -> TreeSpec:
-        t = cfg.tree
+        t = cfg.tree  # a Config or SamplerSettings: both have .sampling and .tree
         return cls.build(
             cfg.sampling.num_steps, t.split_steps, t.branch_factors, t.split_noise_scale, t.split_noise
         )
@@ -261,6 +262,7 @@ def rollout_tree(
 ) -> TreeTrajectory:
     """Grow one tree per prompt group in ``keys`` (``cond`` has one row per key) and decode
     the leaves. ``spec`` defaults to the config's ``tree`` section."""
+    cfg = SamplerSettings.of(cfg)
     spec = spec or TreeSpec.from_config(cfg)
     roots, cond_rows = trees_from_keys(list(keys), spec.leaves)
     n_steps, p = spec.num_steps, len(roots)
@@ -287,7 +289,7 @@ def rollout_tree(
             sigmas[t].to(device),
             cond,
             [cond_rows[k] for k in tree_of.tolist()],
-            cfg.rollout.batch_size,
+            cfg.batch_size,
         )
         nfe += x.shape[0]
         b = spec.factors[t]
@@ -311,7 +313,7 @@ def rollout_tree(
             levels[t],
             sigma_1=sigma_1,
             noise=eps,
-            reduction=cfg.objective.logprob_reduction,
+            reduction=cfg.logprob_reduction,
         )
         x = res.next_latents
         latents.append(x)
@@ -341,6 +343,6 @@ def rollout_tree(
         nfe=nfe,
     )
     leaves = traj.latents[traj.leaf_nodes()]
-    bs = cfg.rollout.batch_size
+    bs = cfg.batch_size
     traj.images = torch.cat([adapter.decode(leaves[s : s + bs]).float() for s in range(0, len(leaves), bs)])
     return traj

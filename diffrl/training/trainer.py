@@ -25,7 +25,7 @@ from diffrl.evaluation.scoring import evaluate, spaced_subset
 from diffrl.evaluation.summary import before_after
 from diffrl.models import build_adapter
 from diffrl.perf.runtime import apply_attention_backend, compiled
-from diffrl.sampling import get_strategy
+from diffrl.sampling import SamplerSettings, get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
@@ -188,7 +188,9 @@ class Trainer:
         # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
         weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
         with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights:
-            traj = self.strategy(self.adapter, self.rollout_model, cond, local.keys, cfg, iteration=step)
+            traj = self.strategy(
+                self.adapter, self.rollout_model, cond, local.keys, SamplerSettings.of(cfg), iteration=step
+            )
         with clock.stage("reward"):
             total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
         return Rollout(traj, cond, local.group_ids, total, comps, logs, clock.metrics, traj.nfe)

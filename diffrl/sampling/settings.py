@@ -1,0 +1,27 @@
+"""What a sampler reads from the configuration, and nothing else (docs/ARCHITECTURE.md).
+
+A rollout needs the sampling section (steps, step rule, noise level, SDE window), the
+tree section for trees, the rollout batch size and the log-prob convention the
+objective will compare against. :class:`SamplerSettings` gathers exactly these, so that
+samplers never read the objective, the optimizer or the rewards. Samplers accept a full
+:class:`~diffrl.config.Config` too and narrow it themselves (:meth:`SamplerSettings.of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    sampling: object  # diffrl.config.SamplingConfig
+    tree: object  # diffrl.config.TreeConfig (read by tree rollouts only)
+    batch_size: int  # rows per transformer forward (rollout.batch_size)
+    logprob_reduction: str  # how step log-probs are reduced (objective.logprob_reduction)
+
+    @classmethod
+    def of(cls, cfg) -> SamplerSettings:
+        """``cfg`` narrowed to the sampler's settings (a SamplerSettings passes through)."""
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(cfg.sampling, cfg.tree, cfg.rollout.batch_size, cfg.objective.logprob_reduction)
