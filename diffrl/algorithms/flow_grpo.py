@@ -28,14 +28,9 @@ from diffrl.algorithms.objective import LossContext, Objective, StepBatch, maske
 from diffrl.sampling.sde import gaussian_kl, step
 
 
-def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped-ratio loss (+ KL) for one step of a micro-batch; returns (loss, stats)."""
-    ocfg = ctx.objective_cfg
-    level = ctx.noise_level if batch.noise_level is None else batch.noise_level
-    b = batch.x_t.shape[0]
-    sigma_b = batch.sigma.expand(b)
-    v = ctx.policy_velocity(batch.x_t, sigma_b, batch.cond)
-    new = step(
+def _rescore(batch: StepBatch, v: torch.Tensor, level: float, reduction: str):
+    """The stored transition x_t -> x_next scored under velocity ``v`` (policy or reference)."""
+    return step(
         batch.kind,
         batch.x_t,
         v,
@@ -44,8 +39,18 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
         level,
         sigma_1=batch.sigma_1,
         next_latents=batch.x_next,
-        reduction=ocfg.logprob_reduction,
+        reduction=reduction,
     )
+
+
+def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio loss (+ KL) for one step of a micro-batch; returns (loss, stats)."""
+    ocfg = ctx.objective_cfg
+    level = ctx.noise_level if batch.noise_level is None else batch.noise_level
+    b = batch.x_t.shape[0]
+    sigma_b = batch.sigma.expand(b)
+    v = ctx.policy_velocity(batch.x_t, sigma_b, batch.cond)
+    new = _rescore(batch, v, level, ocfg.logprob_reduction)
     log_ratio = new.log_prob - batch.old_log_prob
     ratio = torch.exp(log_ratio)
     adv = torch.clamp(batch.advantages, -ocfg.adv_clip_max, ocfg.adv_clip_max)
@@ -63,17 +68,7 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         with torch.no_grad():
             v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        ref = step(
-            batch.kind,
-            batch.x_t,
-            v_ref,
-            batch.sigma,
-            batch.sigma_next,
-            level,
-            sigma_1=batch.sigma_1,
-            next_latents=batch.x_next,
-            reduction=ocfg.logprob_reduction,
-        )
+        ref = _rescore(batch, v_ref, level, ocfg.logprob_reduction)
         kl = masked_mean(
             gaussian_kl(
                 new.mean, ref.mean.detach(), new.std, new.std_t, ocfg.kl_type, ocfg.logprob_reduction

@@ -85,10 +85,6 @@ class FlowAdapter(ABC):
     def is_video_family(cls) -> bool:
         return cls.temporal_downsample is not None
 
-    @property
-    def is_video(self) -> bool:
-        return self.is_video_family()
-
     @classmethod
     def latent_numel(cls, model_cfg) -> int:
         """Latent elements of one sample at ``model_cfg``'s size (the trajectory buffers)."""

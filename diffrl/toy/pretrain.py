@@ -150,10 +150,11 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     ema = EMA(params, cfg.ema_decay, warmup=True)
     evals = eval_sets(cfg.eval_prompts)
     history, start, loss_acc = [], time.time(), 0.0
+    weights = kind_weights(cfg)
     for step in range(1, cfg.steps + 1):
         rnd = random.Random(f"{cfg.seed}-{step}")
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        pairs = batch_captions(by_kind, rnd, cfg.batch_size, cfg.caption_dropout, kind_weights(cfg))
+        pairs = batch_captions(by_kind, rnd, cfg.batch_size, cfg.caption_dropout, weights)
         # its own stream, so that caption_noise = 0 draws exactly the batches it always did
         specs = scene_specs(
             [c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise")

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diffrl.sampling.tree import TreeTrajectory
+
 
 @dataclass
 class Rollout:
@@ -25,8 +27,6 @@ class Rollout:
 
     @property
     def is_tree(self) -> bool:
-        from diffrl.sampling.tree import TreeTrajectory
-
         return isinstance(self.traj, TreeTrajectory)
 
 

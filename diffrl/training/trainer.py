@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, pad_across_processes
+from accelerate.utils import pad_across_processes
 from tqdm.auto import tqdm
 
 from diffrl.algorithms import compute_advantages, get_objective
@@ -33,49 +32,11 @@ from diffrl.training.data import load_prompts, plan_step
 from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
+from diffrl.training.setup import make_accelerator, make_lr_scheduler
 from diffrl.training.stages import Credit, Rollout
 from diffrl.training.update import UpdateCounters, Updater
 from diffrl.training.watchdog import check_stalled, no_update_message
 from rewards.combine import MultiReward
-
-
-def make_accelerator(cfg: Config) -> Accelerator:
-    project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs"))
-    trackers = installed_trackers(cfg.logging.trackers) or None
-    return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
-
-
-def installed_trackers(names: list[str], log=print) -> list[str]:
-    """The configured trackers whose package is installed; each missing one is a note
-    (metrics.jsonl is written in any case), not a crash mid-start."""
-    import importlib.util
-
-    kept = []
-    for name in names:  # accelerate's tracker names are their packages' import names
-        if importlib.util.find_spec(name) is None:
-            log(
-                f"note: logging.trackers names '{name}' but it is not installed (pip install {name}); "
-                "logging to metrics.jsonl only for it"
-            )
-        else:
-            kept.append(name)
-    return kept
-
-
-def make_lr_scheduler(optimizer, cfg: Config, total_steps: int):
-    warmup, kind = cfg.optim.warmup_steps, cfg.optim.scheduler
-
-    def factor(i: int) -> float:
-        if i < warmup:
-            return (i + 1) / warmup
-        progress = min(1.0, (i - warmup) / max(1, total_steps - warmup))
-        if kind == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        if kind == "linear":
-            return 1.0 - progress
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class Trainer:
@@ -93,6 +54,7 @@ class Trainer:
         self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
         self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
         self.strategy = get_strategy(cfg.rollout.strategy)
+        self.sampler_settings = SamplerSettings.of(cfg)  # all a rollout strategy reads
         self.objective = get_objective(cfg.objective.name)
         self.numbers = derive(cfg, self.acc.num_processes)
 
@@ -189,7 +151,7 @@ class Trainer:
         weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
         with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights:
             traj = self.strategy(
-                self.adapter, self.rollout_model, cond, local.keys, SamplerSettings.of(cfg), iteration=step
+                self.adapter, self.rollout_model, cond, local.keys, self.sampler_settings, iteration=step
             )
         with clock.stage("reward"):
             total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})

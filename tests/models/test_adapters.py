@@ -79,7 +79,7 @@ def test_build_tiny_offline_with_real_classes(family):
     adapter = make(family)
     assert torch.equal(torch.get_rng_state(), rng_before), "tiny init must not consume the global RNG"
     assert isinstance(adapter, FlowAdapter) and adapter.family == family
-    assert adapter.is_video == (family == "wan")
+    assert adapter.is_video_family() == (family == "wan")
     assert isinstance(adapter.pipe, adapter_class(family).pipeline_class)
     for name, cls in expected_classes(family).items():
         assert isinstance(getattr(adapter.pipe, name), cls), name

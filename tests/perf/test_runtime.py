@@ -44,14 +44,11 @@ def test_cuda_graphs_need_cuda():
 def restore_attention_backend():
     """diffusers' set_attention_backend also switches the process-wide active backend;
     put it back so later tests (the golden runs) see the default numerics."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry, attention_backend
 
     previous = _AttentionBackendRegistry.get_active_backend()[0]
-    yield
-    if _AttentionBackendRegistry.get_active_backend()[0] != previous:
-        from diffusers import ModelMixin
-
-        ModelMixin().set_attention_backend(previous.value)
+    with attention_backend(previous):  # diffusers' own context: puts ``previous`` back on exit
+        yield
     assert _AttentionBackendRegistry.get_active_backend()[0] == previous
 
 

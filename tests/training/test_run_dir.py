@@ -87,7 +87,7 @@ def test_ctrl_c_stops_without_a_traceback_and_names_the_checkpoint_to_resume(tmp
 
 
 def test_tensorboard_is_on_by_default_and_a_missing_tracker_is_a_note(tmp_path):
-    from diffrl.training.trainer import installed_trackers
+    from diffrl.training.setup import installed_trackers
 
     run = tmp_path / "run"
     assert load_config("toy_flowgrpo").logging.trackers == ["tensorboard"]
