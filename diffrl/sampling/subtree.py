@@ -17,7 +17,7 @@ import torch
 
 from diffrl.sampling.sde import step
 from diffrl.sampling.settings import SamplerSettings
-from diffrl.sampling.tree import TreeTrajectory, velocity_chunks
+from diffrl.sampling.tree import TreeTrajectory, decode_leaves, velocity_chunks
 
 
 def subtree_nodes(tree: TreeTrajectory, leaves) -> torch.Tensor:
@@ -97,7 +97,5 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
         keys=[pool.keys[i] for i in leaves.tolist()],
         nfe=nfe,
     )
-    final = traj.latents[traj.leaf_nodes()]
-    bs = cfg.batch_size
-    traj.images = torch.cat([adapter.decode(final[s : s + bs]).float() for s in range(0, len(final), bs)])
+    traj.images = decode_leaves(adapter, traj, cfg.batch_size)
     return traj

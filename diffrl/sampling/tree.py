@@ -295,15 +295,7 @@ def rollout_tree(
         b = spec.factors[t]
         child_tree = tree_of.repeat_interleave(b)
         child_ord = ord_of.repeat_interleave(b) * b + torch.arange(b).repeat(len(ord_of))
-        if kind == "ode":
-            eps = torch.zeros((len(child_ord), *shape), device=device)
-        else:
-            eps = (
-                rng.randn_batch(
-                    shape, [(*roots[k], j) for k, j in zip(child_tree.tolist(), child_ord.tolist())], "sde", t
-                ).to(device)
-                * draw_scales[t]
-            )
+        eps = _edge_noise(shape, roots, child_tree, child_ord, kind, t, draw_scales[t]).to(device)
         res = step(
             kind,
             x.repeat_interleave(b, 0),
@@ -342,7 +334,22 @@ def rollout_tree(
         keys=[(*r, j) for r in roots for j in range(spec.leaves)],
         nfe=nfe,
     )
-    leaves = traj.latents[traj.leaf_nodes()]
-    bs = cfg.batch_size
-    traj.images = torch.cat([adapter.decode(leaves[s : s + bs]).float() for s in range(0, len(leaves), bs)])
+    traj.images = decode_leaves(adapter, traj, cfg.batch_size)
     return traj
+
+
+def _edge_noise(shape, roots, child_tree, child_ord, kind: str, t: int, scale: float) -> torch.Tensor:
+    """The noise of the edges into the children at step ``t``: keyed by (root, ordinal,
+    "sde", t), times the split's draw scale; zeros on an ODE step."""
+    if kind == "ode":
+        return torch.zeros((len(child_ord), *shape))
+    keys = [(*roots[k], j) for k, j in zip(child_tree.tolist(), child_ord.tolist())]
+    return rng.randn_batch(shape, keys, "sde", t) * scale
+
+
+def decode_leaves(adapter, traj: TreeTrajectory, batch_size: int) -> torch.Tensor:
+    """The decoded images of ``traj``'s leaves, ``batch_size`` at a time."""
+    leaves = traj.latents[traj.leaf_nodes()]
+    return torch.cat(
+        [adapter.decode(leaves[s : s + batch_size]).float() for s in range(0, len(leaves), batch_size)]
+    )

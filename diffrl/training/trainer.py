@@ -43,7 +43,17 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None):
         self.cfg = cfg
         self.acc = accelerator or make_accelerator(cfg)
-        # fail fast on bad inputs before any model is built
+        self._load_inputs(cfg)  # first: bad prompts or rewards fail before any model is built
+        self.strategy = get_strategy(cfg.rollout.strategy)
+        self.sampler_settings = SamplerSettings.of(cfg)  # all a rollout strategy reads
+        self.objective = get_objective(cfg.objective.name)
+        self.numbers = derive(cfg, self.acc.num_processes)
+        self._build_policy(cfg)
+        self._build_update_state(cfg)
+        self.step = 0
+
+    def _load_inputs(self, cfg: Config) -> None:
+        """Prompts and rewards, each checked against the other."""
         self.train_prompts = load_prompts(cfg.data.train_prompts)
         evaluating = bool(cfg.eval.every or cfg.eval.at_start)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts) if evaluating else []
@@ -53,11 +63,9 @@ class Trainer:
         self.reward_fn = MultiReward(cfg.rewards)
         self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
         self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
-        self.strategy = get_strategy(cfg.rollout.strategy)
-        self.sampler_settings = SamplerSettings.of(cfg)  # all a rollout strategy reads
-        self.objective = get_objective(cfg.objective.name)
-        self.numbers = derive(cfg, self.acc.num_processes)
 
+    def _build_policy(self, cfg: Config) -> None:
+        """The model, its trainable weights, the rollout handle, the optimizer and schedule."""
         self.adapter = build_adapter(cfg.model)
         self.adapter.to(self.acc.device)
         self.reward_fn.to(self.acc.device)
@@ -75,6 +83,10 @@ class Trainer:
         # Not passed through prepare(): accelerate would step it once per *process* per
         # optimizer step, while our step counts are already per optimizer step.
         self.scheduler = make_lr_scheduler(self.optimizer, cfg, int(self.numbers["optimizer_steps_total"]))
+
+    def _build_update_state(self, cfg: Config) -> None:
+        """Counters, EMAs and the update stage; every piece of state a checkpoint holds is
+        registered here, in a fixed order (accelerate names their files by position)."""
         self.counters = UpdateCounters()
         self.acc.register_for_checkpointing(self.scheduler)
         self.ema = (
@@ -113,7 +125,6 @@ class Trainer:
                 cfg, self.adapter, self.adapter.transformer, self.reward_fn, log=self.acc.print
             )
             self.updater.after_step.append(self.solrl.mark_stale)
-        self.step = 0
 
     # -- stages ---------------------------------------------------------------------------
     def rollout_and_score(self, step: int) -> Rollout:
