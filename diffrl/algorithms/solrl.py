@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffrl.algorithms.selection import rank_agreement, select_subset
-from diffrl.sampling import TreeTrajectory, get_strategy, rollout_independent
+from diffrl.sampling import SamplerSettings, TreeTrajectory, get_strategy, rollout_independent
 from diffrl.sampling.subtree import regenerate_subtree
 from diffrl.training.metrics import StageClock
 
@@ -55,18 +55,45 @@ class SolRLRollout:
     metrics: dict = field(default_factory=dict)
 
 
-class SolRLStage:
-    """Owns the exploration copy and runs explore -> select -> regenerate."""
+@dataclass(frozen=True)
+class SolRLSettings:
+    """What the Sol-RL stage reads from the configuration, and nothing else."""
 
-    def __init__(self, cfg, adapter, transformer, reward_fn, log=print):
-        self.cfg, self.reward_fn = cfg, reward_fn
-        sol = cfg.solrl
+    solrl: object  # diffrl.config.SolRLConfig: pool size, precision, selection, explore mode
+    sampler: SamplerSettings  # handed to the exploring and regenerating samplers
+    strategy: str  # rollout.strategy: how a replay pool explores (independent or tree)
+    group_size: int  # rollout.group_size: candidates kept per prompt
+    family: str  # model.family: which layers the copy keeps in high precision
+    perf: object  # diffrl.config.PerfConfig: compiling the copy
+
+    @classmethod
+    def of(cls, cfg) -> SolRLSettings:
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(
+            cfg.solrl,
+            SamplerSettings.of(cfg),
+            cfg.rollout.strategy,
+            cfg.rollout.group_size,
+            cfg.model.family,
+            cfg.perf,
+        )
+
+
+class SolRLStage:
+    """Owns the exploration copy and runs explore -> select -> regenerate. ``settings``
+    is a :class:`SolRLSettings` or a whole config, narrowed to one."""
+
+    def __init__(self, settings, transformer, reward_fn, log=print):
+        self.settings, self.reward_fn = SolRLSettings.of(settings), reward_fn
+        s = self.settings
+        sol = s.solrl
         self.copy = None
         if sol.precision != "bf16":  # the control explores with the policy itself
             from diffrl.quant.backends import build_exploration_copy
 
             self.copy = build_exploration_copy(
-                transformer, cfg.model.family, sol.precision, sol.backend, sol.keep_high, log=log
+                transformer, s.family, sol.precision, sol.backend, sol.keep_high, log=log
             )
         else:
             log("solrl: exploring with the policy itself (precision bf16, the control)")
@@ -92,25 +119,25 @@ class SolRLStage:
         if self._compiled_copy is None:
             from diffrl.perf.runtime import compiled
 
-            self._compiled_copy = compiled(self.copy.model, self.cfg.perf)
+            self._compiled_copy = compiled(self.copy.model, self.settings.perf)
         return self._compiled_copy
 
     # -- stages -----------------------------------------------------------------------
     def explore(self, adapter, model, cond, keys, iteration: int):
         """Stage 1 with ``model``, the exploration copy (see :meth:`explorer`)."""
-        cfg, sol = self.cfg, self.cfg.solrl
+        s, sol = self.settings, self.settings.solrl
         if sol.explore == "ode":
-            n = sol.explore_num_steps or cfg.sampling.num_steps
-            return rollout_independent(adapter, model, cond, keys, cfg, num_steps=n, kinds=["ode"] * n)
-        return get_strategy(cfg.rollout.strategy)(adapter, model, cond, keys, cfg, iteration=iteration)
+            n = sol.explore_num_steps or s.sampler.sampling.num_steps
+            return rollout_independent(adapter, model, cond, keys, s.sampler, num_steps=n, kinds=["ode"] * n)
+        return get_strategy(s.strategy)(adapter, model, cond, keys, s.sampler, iteration=iteration)
 
     def regenerate(self, adapter, transformer, cond, pool, flat: torch.Tensor, keys, iteration: int):
         if isinstance(pool, TreeTrajectory):
-            return regenerate_subtree(adapter, transformer, cond, pool, flat, self.cfg), cond
+            return regenerate_subtree(adapter, transformer, cond, pool, flat, self.settings.sampler), cond
         sel = flat.tolist()
         picked = cond.select(sel)
         return rollout_independent(
-            adapter, transformer, picked, [keys[i] for i in sel], self.cfg, iteration=iteration
+            adapter, transformer, picked, [keys[i] for i in sel], self.settings.sampler, iteration=iteration
         ), picked
 
     def run(
@@ -128,8 +155,8 @@ class SolRLStage:
         ``pool_size`` consecutive candidates per prompt). ``transformer`` is the policy the
         copy syncs from; ``rollout_model`` (default: it) runs the regeneration."""
         rollout_model = transformer if rollout_model is None else rollout_model
-        cfg = self.cfg
-        n, k = cfg.solrl.pool_size, cfg.rollout.group_size
+        sol = self.settings.solrl
+        n, k = sol.pool_size, self.settings.group_size
         groups = len(keys) // n
         ctx = autocast or contextlib.nullcontext  # a factory: each stage enters a fresh context
         clock = StageClock(adapter.device)
@@ -140,7 +167,7 @@ class SolRLStage:
         with clock.stage("pool_reward"):
             pool_total, _, _ = self.reward_fn(pool.images, prompts, {"keys": keys})
         with clock.stage("select"):
-            chosen = select_subset(pool_total.reshape(groups, n), k, cfg.solrl.select, tuple(keys[0][:-1]))
+            chosen = select_subset(pool_total.reshape(groups, n), k, sol.select, tuple(keys[0][:-1]))
             flat = (chosen + n * torch.arange(groups).unsqueeze(1)).flatten()
         with clock.stage("regenerate"), torch.no_grad(), ctx():
             traj, train_cond = self.regenerate(adapter, rollout_model, cond, pool, flat, keys, iteration)

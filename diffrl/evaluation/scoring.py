@@ -25,10 +25,12 @@ breakdown, say): its mean and standard error leave those samples out, and
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from diffrl.sampling.rollout import rollout_independent
+from diffrl.sampling.settings import SamplerSettings
 
 DIVERSITY_SIZE = 64
 
@@ -106,6 +108,25 @@ def diversity(thumbs: torch.Tensor, prompt_index: list[int]) -> float:
 SHEET_SIZE = 16
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """What an evaluation reads from the configuration, and nothing else."""
+
+    num_prompts: int  # eval.num_prompts: held-out prompts per evaluation
+    seeds: int  # eval.seeds: samples per prompt
+    num_steps: int  # sampling.eval_num_steps, or sampling.num_steps when unset
+    sampler: SamplerSettings
+    sheet_reward: str  # the first reward's name: the score written under each sheet image
+
+    @classmethod
+    def of(cls, cfg) -> EvalSettings:
+        if isinstance(cfg, cls):
+            return cfg
+        steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
+        sampler = SamplerSettings.of(cfg)
+        return cls(cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].name)
+
+
 @torch.no_grad()
 def evaluate(
     accelerator,
@@ -113,41 +134,59 @@ def evaluate(
     transformer,
     reward_fn,
     prompts: list[str],
-    cfg,
+    settings,
     sheet_path=None,
     prefix: str = "eval",
     num_prompts: int | None = None,
 ) -> dict[str, float]:
     """Every reward score over ``prompts`` (the first ``num_prompts``, default
     ``eval.num_prompts``) x ``eval.seeds``: ``<prefix>/<name>/mean`` and ``/se``,
-    ``<prefix>/n`` and ``<prefix>/diversity``. With ``sheet_path`` the main process also
-    saves its first samples (the fixed eval noise, so sheets of different steps line up)
-    as a PNG."""
-    count = cfg.eval.num_prompts if num_prompts is None else num_prompts
-    plan_prompts, keys = eval_plan(prompts, count, cfg.eval.seeds, tag=prefix)
-    n = len(keys)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    padded_p, padded_k = _pad_to_multiple(plan_prompts, world), _pad_to_multiple(keys, world)
-    per = len(padded_k) // world
-    local_p, local_k = padded_p[rank * per : (rank + 1) * per], padded_k[rank * per : (rank + 1) * per]
-    steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
+    ``<prefix>/n`` and ``<prefix>/diversity``. ``settings`` is an :class:`EvalSettings`
+    or a whole config. With ``sheet_path`` the main process also saves its first samples
+    (the fixed eval noise, so sheets of different steps line up) as a PNG."""
+    s = EvalSettings.of(settings)
+    count = s.num_prompts if num_prompts is None else num_prompts
+    plan_prompts, keys = eval_plan(prompts, count, s.seeds, tag=prefix)
+    local_p, local_k = _process_share(accelerator, plan_prompts, keys)
     cond = adapter.encode_prompts(local_p)
     with accelerator.autocast():
         traj = rollout_independent(
-            adapter, transformer, cond, local_k, cfg, num_steps=steps, kinds=["ode"] * steps
+            adapter, transformer, cond, local_k, s.sampler, num_steps=s.num_steps, kinds=["ode"] * s.num_steps
         )
     _, _, logs = reward_fn(traj.images, local_p, {"keys": local_k})
     if sheet_path is not None and accelerator.is_main_process:
-        from diffrl.evaluation.plots import image_sheet
-
-        first = logs[cfg.rewards[0].name][:SHEET_SIZE].tolist()
-        captions = [f"s{k[2]} {v:.2f} {p}" for k, v, p in zip(local_k, first, local_p)]
-        image_sheet(traj.images[:SHEET_SIZE].cpu(), captions).save(sheet_path)
+        _save_sheet(sheet_path, traj.images, logs[s.sheet_reward], local_k, local_p)
+    n = len(keys)
     names = sorted(logs)
     local = torch.stack([logs[k] for k in names], dim=1).to(accelerator.device)
+    # gathered rows past n are the padding that evened out the processes' shares
     gathered = accelerator.gather(local)[:n].cpu()
     prompt_index = [k[1] for k in keys]
-    out: dict[str, float] = {f"{prefix}/n": n}
+    out = _score_summary(prefix, names, gathered, prompt_index)
+    thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
+    out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
+    return out
+
+
+def _process_share(accelerator, prompts: list[str], keys: list[tuple]):
+    """This process's contiguous slice of the evaluation, padded so every process runs
+    the same number of samples (gather needs equal shapes)."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    padded_p, padded_k = _pad_to_multiple(prompts, world), _pad_to_multiple(keys, world)
+    per = len(padded_k) // world
+    return padded_p[rank * per : (rank + 1) * per], padded_k[rank * per : (rank + 1) * per]
+
+
+def _save_sheet(path, images, scores, keys, prompts) -> None:
+    from diffrl.evaluation.plots import image_sheet
+
+    first = scores[:SHEET_SIZE].tolist()
+    captions = [f"s{k[2]} {v:.2f} {p}" for k, v, p in zip(keys, first, prompts)]
+    image_sheet(images[:SHEET_SIZE].cpu(), captions).save(path)
+
+
+def _score_summary(prefix: str, names: list[str], gathered: torch.Tensor, prompt_index) -> dict[str, float]:
+    out: dict[str, float] = {f"{prefix}/n": len(gathered)}
     for j, name in enumerate(names):
         column = gathered[:, j]
         scored = int((~torch.isnan(column)).sum())
@@ -155,8 +194,6 @@ def evaluate(
             continue
         out[f"{prefix}/{name}/mean"] = float(column.nanmean())
         out[f"{prefix}/{name}/se"] = standard_error(column, prompt_index)
-        if scored < n:
+        if scored < len(gathered):
             out[f"{prefix}/{name}/n"] = scored
-    thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
-    out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
     return out

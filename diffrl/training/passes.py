@@ -37,17 +37,66 @@ import torch
 from diffrl.sampling import rng
 
 
+@dataclass(frozen=True)
+class PassSettings:
+    """What the pass plans read from the configuration, and nothing else."""
+
+    seed: int
+    micro_batch_size: int  # train.micro_batch_size: rows per forward
+    gradient_accumulation: int  # train.gradient_accumulation: micro-batches per optimizer step
+    timestep_fraction: float  # objective.timestep_fraction
+    anchor_fraction: float  # objective.anchor_fraction
+    loss_weighting: str  # tree.loss_weighting: "edge" or "depth"
+
+    @classmethod
+    def of(cls, cfg) -> PassSettings:
+        """``cfg`` narrowed to the pass settings (a PassSettings passes through)."""
+        if isinstance(cfg, cls):
+            return cfg
+        t, o = cfg.train, cfg.objective
+        return cls(
+            cfg.seed,
+            t.micro_batch_size,
+            t.gradient_accumulation,
+            o.timestep_fraction,
+            o.anchor_fraction,
+            cfg.tree.loss_weighting,
+        )
+
+
 @dataclass
 class Pass:
+    """One forward of the objective.
+
+    ``counted`` is the one per-row mask the loss sees: False for a row whose loss is
+    masked (``Credit.keep`` is False: a zero-variance group, a median pivot, a dropped
+    group) and for a DDP padding row. Both are forwarded so that every process runs the
+    same passes; they differ only in the share's denominator, which counts masked rows
+    (a masked edge weighs as a zero loss) but never padding."""
+
     rows: list[int]  # sample indices (independent) or node indices (tree)
     t: int  # denoising step
     share: tuple[int, int]  # (numerator, denominator): weight of the pass's mean loss in its optimizer step
-    live: list[bool] | None = None  # False for padding rows (forwarded for DDP, weight 0); None: all live
+    counted: list[bool] | None = None  # per row: does its loss count? None: every row counts
     anchor: bool = False  # a velocity-anchor pass on an untrained step (diffrl.algorithms.anchor)
+
+    def row_weights(self) -> torch.Tensor:
+        """(len(rows),) float: 1 where the row's loss counts, 0 where it is masked or padding."""
+        if self.counted is None:
+            return torch.ones(len(self.rows))
+        return torch.tensor(self.counted, dtype=torch.float32)
+
+
+def _counted(keep: torch.Tensor | None, rows) -> list[bool] | None:
+    if keep is None:
+        return None
+    flags = keep[torch.as_tensor(rows, dtype=torch.long)].tolist()
+    return None if all(flags) else flags
 
 
 def optimizer_steps_per_epoch(samples: int, cfg) -> int:
-    return math.ceil(math.ceil(samples / cfg.train.micro_batch_size) / cfg.train.gradient_accumulation)
+    s = PassSettings.of(cfg)
+    return math.ceil(math.ceil(samples / s.micro_batch_size) / s.gradient_accumulation)
 
 
 def trained_step_count(fraction: float, n: int) -> int:
@@ -72,14 +121,22 @@ def train_timesteps(trainable: list[int], fraction: float, *key, round_up: bool 
 
 
 def sample_major(
-    n: int, trainable: list[int], cfg, step: int, epoch: int, anchored: list[int] = ()
+    n: int,
+    trainable: list[int],
+    cfg,
+    step: int,
+    epoch: int,
+    anchored: list[int] = (),
+    keep: torch.Tensor | None = None,
 ) -> list[list[Pass]]:
     """Micro-batches of samples, each trained on a keyed subset of ``trainable`` steps.
     With ``anchored`` steps, each micro-batch also gets anchor passes on a keyed subset
     of them (``objective.anchor_fraction``); policy and anchor passes are normalised
-    separately, so anchoring never rescales the policy loss."""
-    mb, accum = cfg.train.micro_batch_size, cfg.train.gradient_accumulation
-    order = torch.randperm(n, generator=rng.generator(cfg.seed, "shuffle", step, epoch)).tolist()
+    separately, so anchoring never rescales the policy loss. ``keep`` (per sample) marks
+    the samples whose loss counts; the others are forwarded with weight 0."""
+    s = PassSettings.of(cfg)
+    mb, accum = s.micro_batch_size, s.gradient_accumulation
+    order = torch.randperm(n, generator=rng.generator(s.seed, "shuffle", step, epoch)).tolist()
     batches = [order[i : i + mb] for i in range(0, n, mb)]
     anchored = list(anchored)
     groups = []
@@ -88,19 +145,17 @@ def sample_major(
         pairs = [
             (idx, t)
             for j, idx in chunk
-            for t in train_timesteps(
-                trainable, cfg.objective.timestep_fraction, cfg.seed, "t", step, epoch, start, j
-            )
+            for t in train_timesteps(trainable, s.timestep_fraction, s.seed, "t", step, epoch, start, j)
         ]
-        passes = [Pass(idx, t, (1, len(pairs))) for idx, t in pairs]
+        passes = [Pass(idx, t, (1, len(pairs)), _counted(keep, idx)) for idx, t in pairs]
         if anchored:
             extra = [
                 (idx, t)
                 for j, idx in chunk
                 for t in train_timesteps(
                     anchored,
-                    cfg.objective.anchor_fraction,
-                    cfg.seed,
+                    s.anchor_fraction,
+                    s.seed,
                     "anchor",
                     step,
                     epoch,
@@ -109,7 +164,7 @@ def sample_major(
                     round_up=True,
                 )
             ]
-            passes += [Pass(idx, t, (1, len(extra)), anchor=True) for idx, t in extra]
+            passes += [Pass(idx, t, (1, len(extra)), _counted(keep, idx), anchor=True) for idx, t in extra]
         groups.append(passes)
     return groups
 
@@ -120,7 +175,7 @@ def step_edge_counts(train: torch.Tensor, depth: torch.Tensor, cfg) -> dict[int,
     counts = {}
     for t in sorted(set((depth[train] - 1).tolist())):
         n = int((train & (depth - 1 == t)).sum())
-        counts[t] = max(1, math.ceil(cfg.objective.timestep_fraction * n))
+        counts[t] = max(1, math.ceil(PassSettings.of(cfg).timestep_fraction * n))
     return counts
 
 
@@ -141,14 +196,15 @@ def edge_major(
     dead rows so that every process runs the same passes of the same sizes, which DDP
     needs when trees differ in shape (Sol-RL sub-trees): a dead row repeats a node at that
     depth, is forwarded with weight 0 and counts in no denominator."""
-    n_groups = optimizer_steps_per_epoch(num_leaves, cfg)
+    s = PassSettings.of(cfg)
+    n_groups = optimizer_steps_per_epoch(num_leaves, s)
     keep = torch.ones_like(train) if keep is None else keep.bool()
     per_group: list[list[tuple[int, torch.Tensor, int]]] = [[] for _ in range(n_groups)]
-    counts = step_edge_counts(train, depth, cfg)
+    counts = step_edge_counts(train, depth, s)
     for t in sorted(set(counts) | set(pad_to or {})):
         edges = torch.nonzero(train & (depth - 1 == t)).flatten()
         # keyed by (seed, iteration, epoch, step): a resumed run shuffles the same way
-        perm = torch.randperm(len(edges), generator=rng.generator(cfg.seed, "edges", step, epoch, t))
+        perm = torch.randperm(len(edges), generator=rng.generator(s.seed, "edges", step, epoch, t))
         edges = edges[perm[: counts.get(t, 0)]]  # the timestep_fraction share of this step
         live = len(edges)
         target = max(live, (pad_to or {}).get(t, 0))
@@ -164,24 +220,26 @@ def edge_major(
         ):
             if len(part):
                 per_group[(i + t) % n_groups].append((t, part, part_live))
-    return [_group_passes(parts, keep, cfg) for parts in per_group if parts]
+    return [_group_passes(parts, keep, s) for parts in per_group if parts]
 
 
-def _group_passes(parts: list[tuple[int, torch.Tensor, torch.Tensor]], keep: torch.Tensor, cfg) -> list[Pass]:
+def _group_passes(
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]], keep: torch.Tensor, s: PassSettings
+) -> list[Pass]:
     """Chunk one optimizer step's per-step edge sets into passes of at most
     ``micro_batch_size`` rows. The objective averages over a pass's kept rows, so the
     share's numerator is the kept count and its denominator counts every live edge: a
     masked edge weighs as a zero loss, and the result does not depend on how edges fall
     into passes."""
-    mb = cfg.train.micro_batch_size
+    mb = s.micro_batch_size
     total = max(1, sum(int(a.sum()) for _, _, a in parts))
     live_steps = max(1, sum(bool(a.any()) for _, _, a in parts))  # an all-padding step weighs nothing
     passes = []
     for t, part, alive in parts:
-        den = max(1, int(alive.sum())) * live_steps if cfg.tree.loss_weighting == "depth" else total
+        den = max(1, int(alive.sum())) * live_steps if s.loss_weighting == "depth" else total
         for i in range(0, len(part), mb):
             chunk, chunk_live = part[i : i + mb], alive[i : i + mb]
-            kept = int((keep[chunk] & chunk_live).sum())
-            live = None if bool(chunk_live.all()) else chunk_live.tolist()
-            passes.append(Pass(chunk.tolist(), t, (kept, den), live))
+            counted = keep[chunk] & chunk_live
+            flags = None if bool(counted.all()) else counted.tolist()
+            passes.append(Pass(chunk.tolist(), t, (int(counted.sum()), den), flags))
     return passes

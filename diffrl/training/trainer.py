@@ -17,10 +17,10 @@ from accelerate.utils import pad_across_processes
 from tqdm.auto import tqdm
 
 from diffrl.algorithms import compute_advantages, get_objective
-from diffrl.algorithms.solrl import SolRLStage
+from diffrl.algorithms.solrl import SolRLSettings, SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
-from diffrl.evaluation.scoring import evaluate, spaced_subset
+from diffrl.evaluation.scoring import EvalSettings, evaluate, spaced_subset
 from diffrl.evaluation.summary import before_after
 from diffrl.models import build_adapter
 from diffrl.perf.runtime import apply_attention_backend, compiled
@@ -34,7 +34,7 @@ from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
 from diffrl.training.setup import make_accelerator, make_lr_scheduler
 from diffrl.training.stages import Credit, Rollout
-from diffrl.training.update import UpdateCounters, Updater
+from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
 from diffrl.training.watchdog import check_stalled, no_update_message
 from rewards.combine import MultiReward
 
@@ -114,7 +114,7 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             self.objective,
-            cfg,
+            UpdateSettings.of(cfg),
             self.counters,
             self.ema,
             self.old_policy,
@@ -122,7 +122,7 @@ class Trainer:
         self.solrl = None
         if cfg.solrl.enabled:
             self.solrl = SolRLStage(
-                cfg, self.adapter, self.adapter.transformer, self.reward_fn, log=self.acc.print
+                SolRLSettings.of(cfg), self.adapter.transformer, self.reward_fn, log=self.acc.print
             )
             self.updater.after_step.append(self.solrl.mark_stale)
 
@@ -307,33 +307,18 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Held-out prompts (``eval/``) and, if configured, the training subset (``eval_train/``)."""
+        settings = EvalSettings.of(self.cfg)
+        models = (self.acc, self.adapter, self.adapter.transformer, self.reward_fn)
         ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
         with ctx:
             sheets = self.cfg.run_dir / "samples"
             if self.acc.is_main_process:
                 sheets.mkdir(parents=True, exist_ok=True)
-            out = evaluate(
-                self.acc,
-                self.adapter,
-                self.adapter.transformer,
-                self.reward_fn,
-                self.eval_prompts,
-                self.cfg,
-                sheet_path=sheets / f"step-{self.step}.png",
-            )
+            sheet = sheets / f"step-{self.step}.png"
+            out = evaluate(*models, self.eval_prompts, settings, sheet_path=sheet)
             if self.train_eval_prompts:
-                out.update(
-                    evaluate(
-                        self.acc,
-                        self.adapter,
-                        self.adapter.transformer,
-                        self.reward_fn,
-                        self.train_eval_prompts,
-                        self.cfg,
-                        prefix="eval_train",
-                        num_prompts=len(self.train_eval_prompts),
-                    )
-                )
+                subset, count = self.train_eval_prompts, len(self.train_eval_prompts)
+                out.update(evaluate(*models, subset, settings, prefix="eval_train", num_prompts=count))
             return out
 
     # -- loop -----------------------------------------------------------------------------

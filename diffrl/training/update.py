@@ -21,7 +21,31 @@ import torch
 from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.sampling import rng
-from diffrl.training.passes import Pass, edge_major, sample_major, step_edge_counts
+from diffrl.training.passes import Pass, PassSettings, edge_major, sample_major, step_edge_counts
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the update stage reads from the configuration, and nothing else."""
+
+    passes: PassSettings
+    objective: object  # diffrl.config.ObjectiveConfig: the loss's own hyper-parameters
+    noise_level: float  # sampling.noise_level: the SDE the stored log-probs came from
+    num_inner_epochs: int  # train.num_inner_epochs
+    max_grad_norm: float  # optim.max_grad_norm (0: no clipping)
+
+    @classmethod
+    def of(cls, cfg) -> UpdateSettings:
+        """``cfg`` narrowed to the update settings (an UpdateSettings passes through)."""
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(
+            PassSettings.of(cfg),
+            cfg.objective,
+            cfg.sampling.noise_level,
+            cfg.train.num_inner_epochs,
+            cfg.optim.max_grad_norm,
+        )
 
 
 @dataclass
@@ -57,19 +81,20 @@ class Updater:
         optimizer,
         scheduler,
         objective,
-        cfg,
+        settings,
         counters: UpdateCounters,
         ema=None,
         old_policy=None,
     ):
         self.acc, self.policy, self.adapter, self.model = accelerator, policy, adapter, model
-        self.optimizer, self.scheduler, self.objective, self.cfg = optimizer, scheduler, objective, cfg
+        self.optimizer, self.scheduler, self.objective = optimizer, scheduler, objective
+        self.settings = UpdateSettings.of(settings)
         self.counters, self.ema, self.old_policy = counters, ema, old_policy
         self.forward_process = objective.forward_process
         self.after_step: list = []  # called after every applied optimizer step (Sol-RL marks its copy stale)
 
     def loss_context(self) -> LossContext:
-        guidance = self.cfg.objective.train_cfg
+        guidance = self.settings.objective.train_cfg
 
         def policy_velocity(x, sigma, cond):
             return self.adapter.velocity(self.model, x, sigma, cond, guidance=guidance)
@@ -90,16 +115,17 @@ class Updater:
         return LossContext(
             policy_velocity,
             reference_velocity,
-            self.cfg.objective,
-            self.cfg.sampling.noise_level,
+            self.settings.objective,
+            self.settings.noise_level,
             old_velocity,
         )
 
     def run(self, traj, cond, credit, step: int) -> dict[str, float]:
         """Update on ``traj`` with ``credit`` (a :class:`~diffrl.training.stages.Credit`).
         Independent trajectories index its advantages and ``keep`` by sample; trees index
-        them by node, and ``credit.edges`` says which edges to backpropagate."""
-        cfg = self.cfg
+        them by node, and ``credit.edges`` says which edges to backpropagate. The passes
+        carry ``credit.keep`` as their per-row ``counted`` mask."""
+        s = self.settings
         ctx = self.loss_context()
         advantages, keep, train = credit.advantages, credit.keep, credit.edges
         if train is None:
@@ -111,12 +137,12 @@ class Updater:
                 )
             anchored = (
                 [t for t in range(traj.num_steps) if t not in trainable]
-                if cfg.objective.anchor_coef > 0
+                if s.objective.anchor_coef > 0
                 else []
             )
 
             def plan(epoch):
-                return sample_major(len(traj.keys), trainable, cfg, step, epoch, anchored)
+                return sample_major(len(traj.keys), trainable, s.passes, step, epoch, anchored, keep)
         else:
             if not bool(train.any()):  # everything pruned at this iteration: nothing to update
                 return {}
@@ -124,12 +150,12 @@ class Updater:
             pad_to = self._common_edge_counts(train, traj)
 
             def plan(epoch):
-                return edge_major(train, traj.depth, traj.num_leaves, cfg, step, epoch, keep, pad_to)
+                return edge_major(train, traj.depth, traj.num_leaves, s.passes, step, epoch, keep, pad_to)
 
         totals: dict[str, list[float]] = defaultdict(list)
-        for epoch in range(cfg.train.num_inner_epochs):
+        for epoch in range(s.num_inner_epochs):
             for passes in plan(epoch):
-                self._optimizer_step(ctx, traj, cond, advantages, keep, passes, totals, epoch)
+                self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
         return {k: sum(v) / len(v) for k, v in totals.items()}
 
     def _common_edge_counts(self, train, traj) -> dict[int, int] | None:
@@ -139,14 +165,12 @@ class Updater:
         if self.acc.num_processes == 1:
             return None
         local = torch.zeros(traj.num_steps, dtype=torch.long)
-        for t, n in step_edge_counts(train, traj.depth, self.cfg).items():
+        for t, n in step_edge_counts(train, traj.depth, self.settings.passes).items():
             local[t] = n
         everywhere = self.acc.gather(local.unsqueeze(0).to(self.acc.device)).cpu().amax(0)
         return {t: int(n) for t, n in enumerate(everywhere.tolist()) if n > 0}
 
-    def _optimizer_step(
-        self, ctx, traj, cond, advantages, keep, passes: list[Pass], totals, epoch: int = 0
-    ) -> None:
+    def _optimizer_step(self, ctx, traj, cond, advantages, passes: list[Pass], totals, epoch: int) -> None:
         """Accumulate gradients over ``passes``, then step once."""
         # Every process runs the same passes (passes.py guarantees it), so the gradient
         # all-reduce of DDP happens once, on the last pass: no_sync skips it on the others.
@@ -155,7 +179,7 @@ class Updater:
         # processes stay in step; only the backward is skipped.
         bad = False
         for i, p in enumerate(passes):
-            batch = self._step_batch(traj, cond, advantages, keep, p)
+            batch = self._step_batch(traj, cond, advantages, p)
             if self.forward_process and not p.anchor:
                 batch = self._forward_noised(batch, traj, p, epoch)
             last = i == len(passes) - 1
@@ -171,10 +195,9 @@ class Updater:
             for k, v in stats.items():
                 totals[k].append(float(v))
         grad_norm = None
-        if not bad and self.cfg.optim.max_grad_norm > 0:
-            grad_norm = self.acc.clip_grad_norm_(
-                self.policy.trainable_parameters(), self.cfg.optim.max_grad_norm
-            )
+        max_norm = self.settings.max_grad_norm
+        if not bad and max_norm > 0:
+            grad_norm = self.acc.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
             bad = _any_process(self.acc, not bool(torch.isfinite(grad_norm)))
         if bad:  # discard the partial gradient: a blow-up is never applied, only counted
             self.optimizer.zero_grad(set_to_none=True)
@@ -194,7 +217,7 @@ class Updater:
         if grad_norm is not None:
             totals["grad_norm"].append(float(grad_norm))
 
-    def _step_batch(self, traj, cond, advantages, keep, p: Pass) -> StepBatch:
+    def _step_batch(self, traj, cond, advantages, p: Pass) -> StepBatch:
         device, t = self.acc.device, p.t
         x_t, x_next, old_log_prob, cond_rows = traj.transition(p.rows, t)
         ix = torch.as_tensor(p.rows)
@@ -209,13 +232,9 @@ class Updater:
             old_log_prob=old_log_prob.to(device),
             advantages=advantages[ix].to(device),
             cond=cond.select(cond_rows),
-            weights=(keep[ix] & self._live(p)).float().to(device),
+            weights=p.row_weights().to(device),
             noise_level=traj.noise_levels[t] if traj.noise_levels else None,
         )
-
-    @staticmethod
-    def _live(p: Pass) -> torch.Tensor:
-        return torch.ones(len(p.rows), dtype=torch.bool) if p.live is None else torch.tensor(p.live)
 
     def _forward_noised(self, batch: StepBatch, traj, p: Pass, epoch: int) -> StepBatch:
         """DiffusionNFT's input: x_t = (1 - sigma_t) x0 + sigma_t eps with fresh noise keyed

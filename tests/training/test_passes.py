@@ -86,6 +86,7 @@ def test_masked_edges_weigh_as_zero_losses(weighting):
         for p in g:
             kept = int(keep[p.rows].sum())
             assert p.share[0] == kept
+            assert p.row_weights().tolist() == keep[p.rows].float().tolist()  # the loss sees keep
             per_edge = (
                 Fraction(1, edges[p.t] * len(edges))
                 if weighting == "depth"
@@ -125,10 +126,25 @@ def test_padding_gives_processes_one_pass_structure_and_leaves_live_rows_alone(w
         for g in plan:
             live_share, group_live = Fraction(0), 0
             for p in g:
-                live = p.live or [True] * len(p.rows)
+                live = p.counted or [True] * len(p.rows)
                 assert all(int(depth[r]) - 1 == p.t for r in p.rows)  # dead rows repeat a node of that depth
                 assert p.share[0] == sum(live)  # keep is all True here: the numerator counts live rows only
                 live_rows += [r for r, alive in zip(p.rows, live) if alive]
                 live_share, group_live = live_share + Fraction(*p.share), group_live + sum(live)
             assert live_share == (1 if group_live else 0)  # each optimizer step averages its live edges
         assert sorted(live_rows) == torch.nonzero(m).flatten().tolist()  # every live edge once
+
+
+def test_sample_major_carries_keep_as_row_weights_of_policy_and_anchor_passes():
+    """Masked samples are still forwarded (every process runs the same passes) but
+    weigh 0 in the loss; the shares do not change, so a masked sample is a zero loss."""
+    cfg = _cfg("train.micro_batch_size=4", "train.gradient_accumulation=2", "objective.anchor_fraction=0.5")
+    keep = torch.arange(16) % 3 != 0
+    plain = sample_major(16, [0, 1, 2, 3], cfg, 2, 0, [4, 5])
+    masked = sample_major(16, [0, 1, 2, 3], cfg, 2, 0, [4, 5], keep)
+    assert any(p.anchor for g in masked for p in g)
+    for g_plain, g_masked in zip(plain, masked, strict=True):
+        for p, q in zip(g_plain, g_masked, strict=True):
+            assert (p.rows, p.t, p.share, p.anchor) == (q.rows, q.t, q.share, q.anchor)
+            assert p.row_weights().tolist() == [1.0] * len(p.rows)
+            assert q.row_weights().tolist() == [float(keep[r]) for r in q.rows]
