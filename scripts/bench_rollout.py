@@ -265,7 +265,7 @@ def report(results: dict) -> str:
     return "\n\n".join(parts)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="toy_solrl", help="config name or path (default: toy_solrl)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -305,7 +305,11 @@ def main(argv=None) -> int:
         "--processes", type=int, default=8, help="estimate section: processes the config is split over"
     )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     check_modes(args.modes)  # before any model is built
     cfg, written = resolve_config(args)
     args.batch = args.batch or cfg.rollout.batch_size

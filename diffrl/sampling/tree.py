@@ -256,6 +256,59 @@ def velocity_chunks(adapter, transformer, x, sigma, cond, cond_rows, batch_size:
     return torch.cat(outs)
 
 
+class TreeGrowth:
+    """What every level of a tree rollout shares (model, prompts, schedule, step rule),
+    and the per-node tensors recorded level by level in the level-major layout.
+    :func:`rollout_tree` grows whole trees with it, and
+    :func:`diffrl.sampling.subtree.regenerate_subtree` a pool's sub-tree."""
+
+    def __init__(self, adapter, transformer, cond, cond_rows, sigmas, kinds, levels, settings):
+        self.adapter, self.transformer, self.cond, self.cond_rows = adapter, transformer, cond, cond_rows
+        self.sigmas, self.kinds, self.levels = sigmas, list(kinds), list(levels)
+        self.sigma_1 = float(sigmas[1]) if len(sigmas) > 1 else None
+        self.batch_size, self.reduction = settings.batch_size, settings.logprob_reduction
+        self.nfe = 0
+        self.rows = {k: [] for k in ("latents", "means", "noise", "log_probs", "stds", "std_ts")}
+
+    def start(self, roots: torch.Tensor) -> torch.Tensor:
+        """Record the roots (their latent is their initial noise) and return them."""
+        zeros = torch.zeros(len(roots), device=roots.device)
+        self._record(roots, torch.zeros_like(roots), roots, zeros, zeros, zeros)
+        return roots
+
+    def level(self, t: int, x, tree_of, parent_pos, eps) -> torch.Tensor:
+        """Step the nodes ``x`` at depth ``t`` (of trees ``tree_of``) into their children:
+        each node is evaluated once, and child i continues from node ``parent_pos[i]``
+        with the edge noise ``eps[i]``. Returns the children's latents."""
+        device = x.device
+        rows = [self.cond_rows[k] for k in tree_of.tolist()]
+        v = velocity_chunks(
+            self.adapter, self.transformer, x, self.sigmas[t].to(device), self.cond, rows, self.batch_size
+        )
+        self.nfe += x.shape[0]
+        res = step(
+            self.kinds[t],
+            x[parent_pos],
+            v[parent_pos],
+            self.sigmas[t],
+            self.sigmas[t + 1],
+            self.levels[t],
+            sigma_1=self.sigma_1,
+            noise=eps,
+            reduction=self.reduction,
+        )
+        self._record(res.next_latents, res.mean, eps, res.log_prob, res.std, res.std_t)
+        return res.next_latents
+
+    def _record(self, *values) -> None:
+        for rows, value in zip(self.rows.values(), values, strict=True):
+            rows.append(value)
+
+    def node_tensors(self) -> dict[str, torch.Tensor]:
+        """The recorded per-node tensors, level-major, as :class:`TreeTrajectory` fields."""
+        return {k: torch.cat(v) for k, v in self.rows.items()}
+
+
 @torch.no_grad()
 def rollout_tree(
     adapter, transformer, cond, keys, cfg, iteration: int = 0, spec: TreeSpec | None = None
@@ -265,62 +318,26 @@ def rollout_tree(
     cfg = SamplerSettings.of(cfg)
     spec = spec or TreeSpec.from_config(cfg)
     roots, cond_rows = trees_from_keys(list(keys), spec.leaves)
-    n_steps, p = spec.num_steps, len(roots)
-    device, shape = adapter.device, adapter.latent_shape()
+    n_steps, shape = spec.num_steps, adapter.latent_shape()
     sigmas = adapter.sigmas(n_steps).float()
-    sigma_1 = float(sigmas[1]) if n_steps > 0 else None
     kinds = step_kinds(cfg.sampling, n_steps, iteration, always_sde=spec.split_steps)
     levels = spec.noise_levels(cfg.sampling.noise_level)
     draw_scales = spec.draw_scales()
-    lay = spec.layout(p)
+    lay = spec.layout(len(roots))
 
-    x = initial_noise(shape, [(*r, 0) for r in roots]).to(device)
-    zeros = torch.zeros(p, device=device)
-    latents, means, noises = [x], [torch.zeros_like(x)], [x]
-    log_probs, stds, std_ts = [zeros], [zeros], [zeros]
-    nfe = 0
+    grow = TreeGrowth(adapter, transformer, cond, cond_rows, sigmas, kinds, levels, cfg)
+    x = grow.start(initial_noise(shape, [(*r, 0) for r in roots]).to(adapter.device))
     for t, kind in enumerate(kinds):
         here = lay["depth"] == t
         tree_of, ord_of = lay["tree"][here], lay["ordinal"][here]
-        v = velocity_chunks(
-            adapter,
-            transformer,
-            x,
-            sigmas[t].to(device),
-            cond,
-            [cond_rows[k] for k in tree_of.tolist()],
-            cfg.batch_size,
-        )
-        nfe += x.shape[0]
+        # a node of ordinal j at a split of factor b has children of ordinals j*b ... j*b+b-1
         b = spec.factors[t]
-        child_tree = tree_of.repeat_interleave(b)
+        parent_pos = torch.arange(len(ord_of)).repeat_interleave(b)
         child_ord = ord_of.repeat_interleave(b) * b + torch.arange(b).repeat(len(ord_of))
-        eps = _edge_noise(shape, roots, child_tree, child_ord, kind, t, draw_scales[t]).to(device)
-        res = step(
-            kind,
-            x.repeat_interleave(b, 0),
-            v.repeat_interleave(b, 0),
-            sigmas[t],
-            sigmas[t + 1],
-            levels[t],
-            sigma_1=sigma_1,
-            noise=eps,
-            reduction=cfg.logprob_reduction,
-        )
-        x = res.next_latents
-        latents.append(x)
-        means.append(res.mean)
-        noises.append(eps)
-        log_probs.append(res.log_prob)
-        stds.append(res.std)
-        std_ts.append(res.std_t)
+        eps = _edge_noise(shape, roots, tree_of[parent_pos], child_ord, kind, t, draw_scales[t])
+        x = grow.level(t, x, tree_of, parent_pos, eps.to(x.device))
     traj = TreeTrajectory(
-        latents=torch.cat(latents),
-        means=torch.cat(means),
-        log_probs=torch.cat(log_probs),
-        stds=torch.cat(stds),
-        std_ts=torch.cat(std_ts),
-        noise=torch.cat(noises),
+        **grow.node_tensors(),
         parent=lay["parent"],
         depth=lay["depth"],
         tree=lay["tree"],
@@ -332,7 +349,7 @@ def rollout_tree(
         root_keys=roots,
         cond_rows=cond_rows,
         keys=[(*r, j) for r in roots for j in range(spec.leaves)],
-        nfe=nfe,
+        nfe=grow.nfe,
     )
     traj.images = decode_leaves(adapter, traj, cfg.batch_size)
     return traj

@@ -65,7 +65,7 @@ def _solrl_numbers(cfg) -> dict[str, float]:
         pruned = depth_pruned_steps(cfg.tree, 0)
         explore = prompts * spec.nfe_per_tree()
         regenerate = prompts * sum(min(spec.nodes_at(t), k) for t in range(steps))
-        if cfg.objective.name != "nft":  # NFT trains the leaves, as independent samples
+        if not _trains_clean_samples(cfg):  # NFT trains the leaves, as independent samples
             out["trained_transitions_per_iteration_max"] = prompts * sum(
                 min(spec.nodes_at(t + 1), k)
                 for t in range(steps)
@@ -81,70 +81,93 @@ def _solrl_numbers(cfg) -> dict[str, float]:
     }
 
 
-def derive(cfg, num_processes: int = 1) -> dict[str, float]:
-    """Every number a user should sanity-check before launching a run."""
-    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    per_process = samples / num_processes
-    steps = cfg.sampling.num_steps
-    kinds = step_kinds(cfg.sampling, steps, 0)
-    sde_steps = sum(k != "ode" for k in kinds)
-    # NFT noises x0 afresh (forward process), so every step's sigma can be trained
-    usable = steps if cfg.objective.name == "nft" else sde_steps
-    trained_steps = trained_step_count(cfg.objective.timestep_fraction, usable) if usable else 0
-    cfg_mult = 2 if _uses_cfg(cfg) else 1
-    micro_batches = math.ceil(per_process / cfg.train.micro_batch_size)
-    opt_steps = cfg.train.num_inner_epochs * math.ceil(micro_batches / cfg.train.gradient_accumulation)
-    # trajectory buffers: latents (T+1) + means (T) + step noise (T), fp32
-    traj_bytes = per_process * (3 * steps + 1) * latent_numel(cfg) * 4
-    ref_mult = 2 if cfg.objective.kl_coef > 0 else 1
-    rollout_nfe, trained_rows = samples * steps, samples * trained_steps
-    whole = (
-        "Sol-RL selects within each prompt's pool"
-        if cfg.solrl.enabled
-        else "rollout.strategy tree keeps each prompt's tree"
-    )
-    if (cfg.solrl.enabled or cfg.rollout.strategy == "tree") and cfg.rollout.prompts_per_step % num_processes:
+def _trains_clean_samples(cfg) -> bool:
+    """A forward-process objective (DiffusionNFT) noises x0 afresh: every step's sigma
+    is usable, and a tree's leaves train as independent samples."""
+    from diffrl.algorithms import get_objective
+
+    return get_objective(cfg.objective.name).forward_process
+
+
+def _check_whole_groups(cfg, num_processes: int) -> None:
+    if not (cfg.solrl.enabled or cfg.rollout.strategy == "tree"):
+        return
+    if cfg.rollout.prompts_per_step % num_processes:
+        whole = (
+            "Sol-RL selects within each prompt's pool"
+            if cfg.solrl.enabled
+            else "rollout.strategy tree keeps each prompt's tree"
+        )
         raise ConfigError(
             f"{whole} on one process: make rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) "
             f"divisible by the {num_processes} processes"
         )
-    solrl = {}
+
+
+def _rollout_and_training(cfg, num_processes: int) -> dict[str, float]:
+    """Rollout NFE, trained transitions and trajectory bytes, per strategy."""
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    steps = cfg.sampling.num_steps
+    sde_steps = sum(k != "ode" for k in step_kinds(cfg.sampling, steps, 0))
+    usable = steps if _trains_clean_samples(cfg) else sde_steps
+    trained_steps = trained_step_count(cfg.objective.timestep_fraction, usable) if usable else 0
+    out = {
+        "sde_steps": sde_steps,
+        "trained_steps": trained_steps,
+        "rollout_nfe": samples * steps,
+        "trained_rows": samples * trained_steps,
+        # trajectory buffers: latents (T+1) + means (T) + step noise (T), fp32
+        "traj_bytes": samples / num_processes * (3 * steps + 1) * latent_numel(cfg) * 4,
+        "solrl": {},
+    }
     if cfg.solrl.enabled:
         solrl = _solrl_numbers(cfg)
-        rollout_nfe = solrl["solrl_explore_nfe_per_iteration"] + solrl["solrl_regenerate_nfe_per_iteration"]
+        out["rollout_nfe"] = (
+            solrl["solrl_explore_nfe_per_iteration"] + solrl["solrl_regenerate_nfe_per_iteration"]
+        )
         # a sub-tree's edges depend on the selection: report the bound, not a count
-        trained_rows = solrl.pop("trained_transitions_per_iteration_max", trained_rows)
-    elif cfg.rollout.strategy == "tree" and cfg.objective.name != "nft":
+        out["trained_rows"] = solrl.pop("trained_transitions_per_iteration_max", out["trained_rows"])
+        out["solrl"] = solrl
+    elif cfg.rollout.strategy == "tree" and not _trains_clean_samples(cfg):
         tree = _tree_numbers(cfg, cfg.rollout.prompts_per_step // num_processes)
-        rollout_nfe, trained_rows = tree["nfe"] * num_processes, tree["trained"] * num_processes
-        sde_steps, trained_steps = tree["sde_steps"], trained_rows / samples
-        traj_bytes = 3 * tree["nodes"] * latent_numel(cfg) * 4  # latents, means, noise per node
+        out["rollout_nfe"], out["trained_rows"] = tree["nfe"] * num_processes, tree["trained"] * num_processes
+        out["sde_steps"], out["trained_steps"] = tree["sde_steps"], out["trained_rows"] / samples
+        out["traj_bytes"] = 3 * tree["nodes"] * latent_numel(cfg) * 4  # latents, means, noise per node
+    return out
+
+
+def derive(cfg, num_processes: int = 1) -> dict[str, float]:
+    """Every number a user should sanity-check before launching a run."""
+    _check_whole_groups(cfg, num_processes)
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    steps, epochs = cfg.sampling.num_steps, cfg.train.num_inner_epochs
+    micro_batches = math.ceil(samples / num_processes / cfg.train.micro_batch_size)
+    opt_steps = epochs * math.ceil(micro_batches / cfg.train.gradient_accumulation)
+    cfg_mult = 2 if _uses_cfg(cfg) else 1
+    ref_mult = 2 if cfg.objective.kl_coef > 0 else 1  # the KL term runs the reference too
+    n = _rollout_and_training(cfg, num_processes)
+    subtree = cfg.solrl.enabled and cfg.rollout.strategy == "tree" and not _trains_clean_samples(cfg)
     return {
         "processes": num_processes,
         "prompts_per_step": cfg.rollout.prompts_per_step,
         "group_size": cfg.rollout.group_size,
         "samples_per_iteration": samples,
-        "samples_per_process": per_process,
+        "samples_per_process": samples / num_processes,
         "denoising_steps": steps,
-        "sde_steps": sde_steps,
-        "trained_steps_per_sample": float(trained_steps),
-        "rollout_nfe_per_iteration": rollout_nfe,
-        "rollout_nfe_per_leaf": rollout_nfe / samples,
-        "rollout_nfe_vs_independent": rollout_nfe / (samples * steps),
-        "rollout_transformer_rows_per_iteration": rollout_nfe * cfg_mult,
-        (
-            "trained_transitions_per_iteration_max"
-            if cfg.solrl.enabled and cfg.rollout.strategy == "tree" and cfg.objective.name != "nft"
-            else "trained_transitions_per_iteration"
-        ): trained_rows,
-        "training_transformer_rows_per_iteration": trained_rows
-        * cfg.train.num_inner_epochs
-        * cfg_mult
-        * ref_mult,
+        "sde_steps": n["sde_steps"],
+        "trained_steps_per_sample": float(n["trained_steps"]),
+        "rollout_nfe_per_iteration": n["rollout_nfe"],
+        "rollout_nfe_per_leaf": n["rollout_nfe"] / samples,
+        "rollout_nfe_vs_independent": n["rollout_nfe"] / (samples * steps),
+        "rollout_transformer_rows_per_iteration": n["rollout_nfe"] * cfg_mult,
+        ("trained_transitions_per_iteration_max" if subtree else "trained_transitions_per_iteration"): n[
+            "trained_rows"
+        ],
+        "training_transformer_rows_per_iteration": n["trained_rows"] * epochs * cfg_mult * ref_mult,
         "optimizer_steps_per_iteration": opt_steps,
         "optimizer_steps_total": opt_steps * cfg.train.max_steps,
-        "trajectory_buffer_mib_per_process": traj_bytes / 2**20,
-        **solrl,
+        "trajectory_buffer_mib_per_process": n["traj_bytes"] / 2**20,
+        **n["solrl"],
     }
 
 

@@ -26,17 +26,9 @@ def test_evaluating_a_checkpoint_reproduces_the_training_evaluation(tmp_path, ca
     checkpoint = tmp_path / "run" / "checkpoints" / "step-1"
     out = tmp_path / "scores.json"
     evaluate = load_script("evaluate")
-    evaluate.main(
-        [
-            "--config",
-            "tiny_toy_flowgrpo",
-            "--checkpoint",
-            str(checkpoint),
-            "--json",
-            str(out),
-            *[a for o in overrides for a in ("--set", o)],
-        ]
-    )
+    sets = [a for o in overrides for a in ("--set", o)]
+    cli = ["--config", "tiny_toy_flowgrpo", *sets]
+    evaluate.main([*cli, "--checkpoint", str(checkpoint), "--json", str(out)])
     scored = json.loads(out.read_text())
     for key in (
         "eval/shapeworld/mean",
@@ -57,15 +49,5 @@ def test_evaluating_a_checkpoint_reproduces_the_training_evaluation(tmp_path, ca
     )
     assert abs(recombined - scored["eval/shapeworld_strict/mean"]) < 1e-6
     base = tmp_path / "base.json"
-    evaluate.main(
-        [
-            "--config",
-            "tiny_toy_flowgrpo",
-            "--checkpoint",
-            "base",
-            "--json",
-            str(base),
-            *[a for o in overrides for a in ("--set", o)],
-        ]
-    )
+    evaluate.main([*cli, "--checkpoint", "base", "--json", str(base)])
     assert json.loads(base.read_text())["eval/diversity"] != scored["eval/diversity"]  # the weights did load

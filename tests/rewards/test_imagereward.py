@@ -291,6 +291,21 @@ def test_preprocess_is_close_to_the_official_pil_pipeline():
     assert (ours - ref).abs().max() < 3 / 255 / 0.26  # a couple of uint8 steps after normalisation
 
 
+def _blip_reward_head(width: int) -> torch.nn.Sequential:
+    """ImageReward's MLP (ImageReward.py, ``MLP``), with its dropouts, so the state-dict
+    indices (layers.0, 2, 4, 6, 7) are the official ones."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, 1024),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(1024, 128),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(128, 64),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(64, 16),
+        torch.nn.Linear(16, 1),
+    ).eval()
+
+
 def test_matches_timm_vit_and_transformers_blip_text_reference(tmp_path):
     """Independent reference: timm's ViT and transformers' BlipTextModel (both ports of BLIP's
     vit.py / med.py) with random weights, exported under the official names."""
@@ -317,16 +332,7 @@ def test_matches_timm_vit_and_transformers_blip_text_reference(tmp_path):
         ),
         add_pooling_layer=False,
     ).eval()
-    mlp = torch.nn.Sequential(
-        torch.nn.Linear(32, 1024),
-        torch.nn.Dropout(0.2),
-        torch.nn.Linear(1024, 128),
-        torch.nn.Dropout(0.2),
-        torch.nn.Linear(128, 64),
-        torch.nn.Dropout(0.1),
-        torch.nn.Linear(64, 16),
-        torch.nn.Linear(16, 1),
-    ).eval()
+    mlp = _blip_reward_head(32)
     for i, m in enumerate((vit, text, mlp)):
         _perturb(m, seed=10 + i)
     state = {

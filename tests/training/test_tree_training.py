@@ -73,8 +73,8 @@ class _Spy:
     def __init__(self, build):
         self.build, self.calls = build, []
 
-    def __call__(self, traj, cond, advantages, keep, p):
-        batch = self.build(traj, cond, advantages, keep, p)
+    def __call__(self, traj, cond, advantages, p):
+        batch = self.build(traj, cond, advantages, p)
         self.calls.append((p.rows, batch))
         return batch
 
@@ -121,6 +121,7 @@ def test_pruned_edges_are_exactly_the_ones_missing_from_the_gradient(tmp_path):
     for rows, batch in spy.calls:
         assert torch.equal(batch.advantages, credit.advantages[torch.tensor(rows)])  # the child's advantage
         assert torch.equal(batch.x_t, traj.latents[traj.parent[torch.tensor(rows)]])
+        assert torch.equal(batch.weights, credit.keep[torch.tensor(rows)].float())  # masked edges weigh 0
 
     leaves = traj.leaf_nodes()
     pruned_leaf = int(leaves[~credit.train[leaves]][0])
