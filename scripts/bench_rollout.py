@@ -156,7 +156,7 @@ def run_sections(args, cfg, written, device) -> dict:
         else:
             from diffrl.perf.estimate import estimate_config
 
-            out["estimate"] = estimate_config(written, args.processes)
+            out["estimate"] = estimate_config(written, args.processes, args.sharding)
     if "iteration" in wanted:
         out["iteration"] = iterations(cfg, args.vs)
     return out
@@ -248,9 +248,12 @@ def report(results: dict) -> str:
     if "estimate" in results:
         e = results["estimate"]
         parts += [
-            f"### estimate: {e['arch']} at full size, per process of {e['num_processes']} (meta device)",
+            f"### estimate: {e['arch']} at full size, per process of {e['num_processes']} "
+            f"(meta device, sharding {e['sharding']})",
             markdown([{k: v for k, v in e.items() if not isinstance(v, dict)}]),
             markdown([{"part": k, "GiB": v} for k, v in e["memory_gib"].items()]),
+            "GiB per process by sharding (none: DDP, every process holds the whole model):",
+            markdown([e["total_gib_by_sharding"]]),
         ]
     for name, it in results.get("iteration", {}).items():
         rows = [{"stage": k, "seconds": v, "share": it["share"][k]} for k, v in it["seconds"].items()]
@@ -303,6 +306,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--processes", type=int, default=8, help="estimate section: processes the config is split over"
+    )
+    p.add_argument(
+        "--sharding",
+        choices=("none", "fsdp"),
+        default="none",
+        help="estimate section: whose parts to list (both totals are printed side by side)",
     )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     return p

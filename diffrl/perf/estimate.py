@@ -15,8 +15,18 @@ reward models), the trainable weights with their gradients and AdamW's two momen
 in the weights' dtype: fp32 LoRA, 16 bytes per parameter; a full fine-tune in bf16, 8),
 a full fine-tune's frozen reference copy, the exploration copy
 (FP8 through torchao stores 1 byte per weight; NVFP4 off Blackwell is simulated over a
-BF16 copy, 2 bytes) and the trajectory buffer. VAE-decode and attention transients are
-not modelled: a measured peak (``train.py --full-size`` on a GPU) supersedes this.
+BF16 copy, 2 bytes), the EMA and DiffusionNFT's old policy (fp32 shadows of the trainable
+weights) and the trajectory buffer. VAE-decode and attention transients are not
+modelled: a measured peak (``train.py --full-size`` on a GPU) supersedes this.
+
+Sharding (``sharding="fsdp"``, FSDP's FULL_SHARD as accelerate's FSDP2 applies it, one
+unit per transformer block): every process keeps 1/N of the transformer's weights
+(frozen and trainable), of the gradients and AdamW moments, of the frozen reference copy
+and of the EMA / old-policy shadows. It adds what FSDP gathers: the weights of the unit
+being computed and of the one prefetched next (two of the largest block, in the weights'
+dtype), and during backward that unit's unsharded gradient before its reduce-scatter.
+The VAE, the text encoders, the rewards and the exploration copy stay whole on every
+process (they run outside the sharded module), and so do activations.
 """
 
 from __future__ import annotations
@@ -65,8 +75,57 @@ def _block_count(transformer: torch.nn.Module) -> int:
     )
 
 
-def estimate_config(cfg, num_processes: int = 8) -> dict:
-    """FLOPs and a per-process memory estimate (GiB) for ``cfg`` at full size."""
+SHARDINGS = ("none", "fsdp")
+
+
+def _largest_block_bytes(transformer: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameter bytes of the largest transformer block: FSDP's unit."""
+    blocks = [
+        block
+        for name, blocks in transformer.named_children()
+        if isinstance(blocks, torch.nn.ModuleList) and "block" in name
+        for block in blocks
+    ]
+    if not blocks:  # not block-structured: the whole transformer is one unit
+        return param_bytes(transformer), param_bytes(transformer, trainable=True)
+    largest = max(blocks, key=param_bytes)
+    return param_bytes(largest), param_bytes(largest, trainable=True)
+
+
+def _memory_parts(
+    cfg, adapter, policy, arch, num_processes: int, sharding: str, reward_bytes: float
+) -> dict[str, float]:
+    """Per-process bytes by part (see the module docstring)."""
+    from diffrl.algorithms import get_objective
+
+    transformer, bf16 = adapter.transformer, 2
+    shard = num_processes if sharding == "fsdp" else 1
+    trainable_bytes = param_bytes(transformer, trainable=True)
+    fp32_trainable = 4 * sum(p.numel() for p in policy.trainable_parameters())
+    shadows = (cfg.train.ema_decay > 0) + get_objective(cfg.objective.name).needs_old_policy
+    reference = param_bytes(policy.frozen_reference) if policy.frozen_reference is not None else 0
+    total = sum(p.numel() for p in transformer.parameters())
+    parts = {
+        "transformer (frozen)": param_bytes(transformer, trainable=False) / shard,
+        "VAE": param_bytes(adapter.pipe.vae),
+        "text encoders": arch.text_encoder_params * bf16,
+        "rewards": reward_bytes,
+        "trainable + grads + AdamW": 4 * trainable_bytes / shard,  # weights, grads, two moments
+        "reference copy": reference / shard,
+        "EMA / old policy": shadows * fp32_trainable / shard,
+        "exploration copy": total * EXPLORATION_BYTES[cfg.solrl.precision] if cfg.solrl.enabled else 0.0,
+    }
+    if sharding == "fsdp":
+        unit, unit_trainable = _largest_block_bytes(transformer)
+        parts["FSDP gathered units"] = 2 * unit + unit_trainable  # current + prefetched, unit grads
+    return parts
+
+
+def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict:
+    """FLOPs and a per-process memory estimate (GiB) for ``cfg`` at full size, with the
+    transformer state replicated (``"none"``: DDP) or sharded (``"fsdp"``)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding '{sharding}': use one of {', '.join(SHARDINGS)}")
     from diffrl.models import build_adapter
     from diffrl.training.plan import derive
     from diffrl.training.policy import Policy
@@ -89,25 +148,18 @@ def estimate_config(cfg, num_processes: int = 8) -> dict:
             _block_count(transformer), 1
         )
     plan = derive(cfg, num_processes)
-    bf16 = 2
-    frozen = param_bytes(transformer, trainable=False) + param_bytes(adapter.pipe.vae)
-    text = arch.text_encoder_params * bf16
-    rewards = sum(reward_params(r) for r in cfg.rewards) * 4  # rewards run in fp32 unless configured
-    total = sum(p.numel() for p in transformer.parameters())
-    trainable = sum(p.numel() for p in policy.trainable_parameters())
-    trainable_state = 4 * param_bytes(transformer, trainable=True)  # weights, grads, two AdamW moments
-    reference = param_bytes(policy.frozen_reference) if policy.frozen_reference is not None else 0
-    exploration = total * EXPLORATION_BYTES[cfg.solrl.precision] if cfg.solrl.enabled else 0.0
-    parts = {
-        "transformer + VAE": frozen,
-        "text encoders": text,
-        "rewards": rewards,
-        "trainable + grads + AdamW": trainable_state,
-        "reference copy": reference,
+    shared = {
         "activations": activations,
-        "exploration copy": exploration,
         "trajectory buffer": plan["trajectory_buffer_mib_per_process"] * 2**20,
     }
+    reward_bytes = sum(reward_params(r) for r in cfg.rewards) * 4  # fp32 unless configured
+    by_sharding = {
+        name: {**_memory_parts(cfg, adapter, policy, arch, num_processes, name, reward_bytes), **shared}
+        for name in SHARDINGS
+    }
+    parts = by_sharding[sharding]
+    total = sum(p.numel() for p in transformer.parameters())
+    trainable = sum(p.numel() for p in policy.trainable_parameters())
     gib = {k: v / GIB for k, v in parts.items()}
     nfe = plan["rollout_nfe_per_iteration"] / num_processes
     return {
@@ -119,5 +171,7 @@ def estimate_config(cfg, num_processes: int = 8) -> dict:
         "rollout_tflop_per_iteration_per_process": nfe * forward / 1e12,
         "memory_gib": gib,
         "total_gib": sum(gib.values()),
+        "total_gib_by_sharding": {k: sum(v.values()) / GIB for k, v in by_sharding.items()},
         "num_processes": num_processes,
+        "sharding": sharding,
     }

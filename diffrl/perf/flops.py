@@ -16,6 +16,12 @@ from torch.utils.flop_counter import FlopCounterMode
 PROMPTS = ("a photo of a cat sitting on a table", "two dogs running on the beach")
 
 
+def _counted(op) -> bool:
+    """Whether torch's flop registry has a formula for ``op``: keyed by the overload
+    (``op.default``) on some builds and by the packet itself on others (2.15)."""
+    return op in flop_counter.flop_registry or op.default in flop_counter.flop_registry
+
+
 def _register_cpu_attention_formulas() -> None:
     """Count CPU attention too. Some torch builds (2.14.1, for one) dispatch CPU SDPA to
     ``_scaled_dot_product_flash_attention_for_cpu``, which has no formula in their flop
@@ -25,13 +31,13 @@ def _register_cpu_attention_formulas() -> None:
     aten = torch.ops.aten
     forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if forward is not None and forward.default not in flop_counter.flop_registry:
+    if forward is not None and not _counted(forward):
 
         @flop_counter.register_flop_formula(forward)
         def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
             return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
-    if backward is not None and backward.default not in flop_counter.flop_registry:
+    if backward is not None and not _counted(backward):
 
         @flop_counter.register_flop_formula(backward)
         def _cpu_sdpa_backward_flops(

@@ -85,6 +85,8 @@ def test_estimate_section_sizes_a_real_config_without_weights(tmp_path, capsys):
         e["memory_gib"]["exploration copy"] > 0 and e["memory_gib"]["rewards"] > 3
     )  # PickScore ViT-H-14, fp32
     assert e["total_gib"] == pytest.approx(sum(e["memory_gib"].values()))
+    by = e["total_gib_by_sharding"]
+    assert by["none"] == pytest.approx(e["total_gib"]) and by["fsdp"] < by["none"]
 
 
 def test_a_bad_mode_is_one_error_before_any_model_is_built(capsys):
@@ -97,3 +99,34 @@ def test_a_bad_mode_is_one_error_before_any_model_is_built(capsys):
         )
     assert exit_info.value.code == 2
     assert "--modes entry 'fp5:auto'" in capsys.readouterr().err
+
+
+def test_fsdp_estimate_shards_the_transformer_state_and_adds_two_gathered_blocks(tiny_cfg):
+    """Hand count on a tiny full fine-tune with an EMA, against the replicated estimate:
+    FSDP over 4 processes keeps a quarter of the transformer's weights, gradients, AdamW
+    moments, reference copy and EMA shadow, plus the largest block twice (current and
+    prefetched unit) and its gradient; everything outside the transformer is unchanged."""
+    from types import SimpleNamespace
+
+    from diffrl.models import build_adapter
+    from diffrl.perf.estimate import _memory_parts
+    from diffrl.training.policy import Policy
+
+    cfg = tiny_cfg("flux", "model.full_finetune=true", "train.ema_decay=0.9")
+    adapter = build_adapter(cfg.model)
+    policy = Policy(adapter, cfg.model, seed=0)
+    arch = SimpleNamespace(text_encoder_params=10)
+    none = _memory_parts(cfg, adapter, policy, arch, 4, "none", 7.0)
+    fsdp = _memory_parts(cfg, adapter, policy, arch, 4, "fsdp", 7.0)
+    t = adapter.transformer
+    weights = sum(p.numel() * p.element_size() for p in t.parameters())  # all trainable here
+    numel = sum(p.numel() for p in t.parameters())
+    blocks = [*t.transformer_blocks, *t.single_transformer_blocks]
+    largest = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
+    assert none["trainable + grads + AdamW"] == 4 * weights and none["transformer (frozen)"] == 0
+    assert none["reference copy"] == weights and none["EMA / old policy"] == 4 * numel
+    for part in ("trainable + grads + AdamW", "reference copy", "EMA / old policy"):
+        assert fsdp[part] == none[part] / 4, part
+    assert fsdp["FSDP gathered units"] == 3 * largest and "FSDP gathered units" not in none
+    for part in ("VAE", "text encoders", "rewards", "exploration copy"):
+        assert fsdp[part] == none[part], part
