@@ -17,6 +17,7 @@ checkpoint, says why, and takes the newest complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -140,13 +141,12 @@ def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    with _no_fsdp_model_files(accelerator):
+        accelerator.save_state(str(tmp))
+    trainable = policy.trainable_state_dict()  # every process: under FSDP it gathers the shards
     if accelerator.is_main_process:
-        policy.save_pretrained(tmp)
-        save_file(
-            {k: v.contiguous().cpu() for k, v in policy.trainable_state_dict().items()},
-            str(tmp / "trainable.safetensors"),
-        )
+        policy.save_pretrained(tmp, trainable)
+        save_file({k: v.contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
         save_config(cfg, tmp / "config.yaml")
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         meta = {"step": step, "diffrl_version": diffrl.__version__, "time": time.time(), "files": files}
@@ -189,7 +189,8 @@ def load_checkpoint(accelerator, policy, path: Path, model_cfg=None) -> int:
             + model_settings_diff(path / "config.yaml", model_cfg)
         )
     try:
-        accelerator.load_state(str(path))
+        with _no_fsdp_model_files(accelerator):
+            accelerator.load_state(str(path))
     except Exception as err:  # noqa: BLE001 - accelerate's pickles and optimizer state
         first = str(err).splitlines()[0] if str(err) else ""
         raise CheckpointError(
@@ -241,6 +242,28 @@ def model_settings_diff(saved_config: Path, model_cfg) -> str:
         if diffs
         else ""
     )
+
+
+@contextlib.contextmanager
+def _no_fsdp_model_files(accelerator):
+    """Under FSDP, accelerate's save_state writes the whole transformer (frozen base
+    included; 24 GB for FLUX) before any pre-hook can stop it, and load_state reads it
+    back. diffrl writes the trainable weights itself (trainable.safetensors), as it does
+    without FSDP, so the two model calls are no-ops for the duration; the sharded
+    optimizer state is still saved and loaded by accelerate."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        yield
+        return
+    import accelerate.accelerator as module
+
+    kept = module.save_fsdp_model, module.load_fsdp_model
+    module.save_fsdp_model = module.load_fsdp_model = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        module.save_fsdp_model, module.load_fsdp_model = kept
 
 
 def install_accelerate_hooks(accelerator) -> None:

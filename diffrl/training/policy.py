@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from diffrl.sampling import rng
+from diffrl.training.sharding import is_sharded, like, reshard, whole
 
 
 class Policy:
@@ -54,6 +55,7 @@ class Policy:
         return self.adapter.transformer
 
     def trainable_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        reshard(self.transformer)  # under FSDP: the shards, not a unit left gathered by a forward
         return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -73,7 +75,8 @@ class Policy:
 
     # -- state ------------------------------------------------------------------------
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.trainable_named_parameters()}
+        """Whole tensors, also under FSDP (collective there: every process calls it)."""
+        return {n: whole(p).clone() for n, p in self.trainable_named_parameters()}
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         params = dict(self.trainable_named_parameters())
@@ -86,16 +89,27 @@ class Policy:
             )
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(state[n])
+                p.copy_(like(state[n], p))
 
-    def save_pretrained(self, directory: Path) -> None:
+    def save_pretrained(self, directory: Path, trainable: dict[str, torch.Tensor] | None = None) -> None:
         """diffusers-format weights: ``pipe.load_lora_weights(directory)`` for LoRA, or a
-        ``transformer/`` folder loadable with ``from_pretrained`` for full fine-tuning."""
+        ``transformer/`` folder loadable with ``from_pretrained`` for full fine-tuning.
+        ``trainable``: the whole trainable weights, already gathered (under FSDP the live
+        ones are shards)."""
         directory = Path(directory)
         if self.is_lora:
             from peft.utils import get_peft_model_state_dict
 
-            self.adapter.save_lora(directory, get_peft_model_state_dict(self.transformer))
+            weights = get_peft_model_state_dict(self.transformer, state_dict=trainable)
+            self.adapter.save_lora(directory, weights)
+        elif trainable is not None and any(is_sharded(p) for p in self.transformer.parameters()):
+            # diffusers' save_pretrained reads the live (sharded) weights; write the gathered
+            # ones in its layout instead: config.json + diffusion_pytorch_model.safetensors
+            from safetensors.torch import save_file
+
+            self.transformer.save_config(directory / "transformer")
+            weights = {k: v.contiguous().cpu() for k, v in trainable.items()}
+            save_file(weights, str(directory / "transformer" / "diffusion_pytorch_model.safetensors"))
         else:
             self.transformer.save_pretrained(directory / "transformer")
 
@@ -111,7 +125,7 @@ class EMA:
     def __init__(self, params: list[torch.nn.Parameter], decay: float, warmup: bool = False):
         self.params = list(params)
         self.decay, self.warmup, self.updates = decay, warmup, 0
-        self.shadow = [p.detach().clone().float() for p in self.params]
+        self.shadow = [p.detach().clone().float() for p in self.params]  # shards under FSDP
 
     @torch.no_grad()
     def update(self) -> None:
@@ -135,10 +149,12 @@ class EMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "updates": self.updates, "shadow": [s.cpu() for s in self.shadow]}
+        """Whole shadows, also under FSDP (collective there; accelerate calls it on every
+        process and the main one writes)."""
+        return {"decay": self.decay, "updates": self.updates, "shadow": [whole(s).cpu() for s in self.shadow]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.shadow = [s.to(p.device).float() for s, p in zip(state["shadow"], self.params)]
+        self.shadow = [like(s.float(), p.detach().float()) for s, p in zip(state["shadow"], self.params)]
         self.updates = state.get("updates", 0)
 
 

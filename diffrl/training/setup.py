@@ -4,10 +4,11 @@ actually installed) and the learning-rate schedule."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import DistributedType, ProjectConfiguration
 
 from diffrl.config import Config
 
@@ -15,7 +16,34 @@ from diffrl.config import Config
 def make_accelerator(cfg: Config) -> Accelerator:
     project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs"))
     trackers = installed_trackers(cfg.logging.trackers) or None
-    return Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
+    acc = Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
+    if fsdp_requested() and acc.distributed_type == DistributedType.MULTI_CPU:
+        _shard_on_cpu(acc)
+    return acc
+
+
+def fsdp_requested() -> bool:
+    """Whether the launch asked for FSDP (``accelerate launch --use_fsdp`` or an accelerate
+    config with ``distributed_type: FSDP`` set this variable)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def _shard_on_cpu(acc: Accelerator) -> None:
+    """accelerate (1.15) turns FSDP on only for accelerator devices and runs several CPU
+    processes as DDP over gloo even when FSDP was asked for. torch shards on CPU with
+    gloo, so switch the shared state to FSDP with the plugin the launch configured
+    (read from the FSDP_* variables): CPU runs, CI's included, then take the same sharded
+    path as GPU runs."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    state = AcceleratorState()
+    plugin = FullyShardedDataParallelPlugin()
+    if acc.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.mixed_precision)
+    state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+    # a later AcceleratorState() re-reads the process state: keep the two in agreement
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def installed_trackers(names: list[str], log=print) -> list[str]:

@@ -22,6 +22,7 @@ from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.sampling import rng
 from diffrl.training.passes import Pass, PassSettings, edge_major, sample_major, step_edge_counts
+from diffrl.training.sharding import reshard
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,9 @@ class Updater:
                 # swaps the old weights into the live parameters: call before the policy
                 # forward whose graph is kept, never between it and backward
                 with torch.no_grad(), self.old_policy.swapped_in():
-                    return self.adapter.velocity(self.model, x, sigma, cond, guidance=guidance)
+                    v = self.adapter.velocity(self.model, x, sigma, cond, guidance=guidance)
+                reshard(self.model)  # FSDP: drop the old weights gathered by this forward
+                return v
 
         return LossContext(
             policy_velocity,
