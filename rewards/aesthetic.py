@@ -17,7 +17,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from rewards.clip_common import (
     ClipReward,
@@ -29,6 +28,7 @@ from rewards.clip_common import (
     resize_shortest_and_center_crop,
     url_file,
 )
+from rewards.heads import RewardMLP
 
 HEAD_URL = (
     "https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
@@ -36,24 +36,8 @@ HEAD_URL = (
 )
 
 
-class AestheticMLP(nn.Module):
-    """The official head (no activations: the released model is linear, trained with MSE)."""
-
-    def __init__(self, input_size: int = 768):
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(input_size, 1024),
-            nn.Dropout(0.2),
-            nn.Linear(1024, 128),
-            nn.Dropout(0.2),
-            nn.Linear(128, 64),
-            nn.Dropout(0.1),
-            nn.Linear(64, 16),
-            nn.Linear(16, 1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
+# the official head: linear, no activations (the released model was trained with MSE)
+AestheticMLP = RewardMLP
 
 
 def resolve_head(reward: str, head: str) -> str:

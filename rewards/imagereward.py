@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rewards.blip import BertTextEncoder, TextConfig, VisionTransformer, ViTConfig
+from rewards.clip_common import resolve_dtype
 from rewards.errors import one_line
+from rewards.heads import RewardMLP
 from rewards.images import RewardInputError, to_tensor_batch
 
 HUB_REPO = "THUDM/ImageReward"
@@ -49,14 +51,6 @@ TOKENIZER_HINT = (
     "tokenizer_config.json --local-dir DIR` and pass tokenizer='DIR'."
 )
 _VISION_KEYS = {"image_size", "patch_size", "width", "depth", "heads", "mlp_ratio"}
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 # Official key prefix -> our module's prefix; the rest of each key is the same (rewards/blip.py
 # keeps vit.py's and med.py's names).
@@ -75,27 +69,6 @@ class ImageRewardFilesMissing(FileNotFoundError):
 
 class ImageRewardCheckpointError(ValueError):
     """The checkpoint's keys or shapes do not match the model that was built."""
-
-
-class RewardMLP(nn.Module):
-    """ImageReward's MLP head: five linears with no activation between them; the Dropouts keep
-    the official indices (layers.0, .2, .4, .6, .7) and are identities at eval."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(width, 1024),
-            nn.Dropout(0.2),
-            nn.Linear(1024, 128),
-            nn.Dropout(0.2),
-            nn.Linear(128, 64),
-            nn.Dropout(0.1),
-            nn.Linear(64, 16),
-            nn.Linear(16, 1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
 
 
 class ImageRewardNet(nn.Module):
@@ -268,11 +241,10 @@ def _vision_config(overrides: dict | None) -> ViTConfig:
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"imagereward: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    try:
+        return resolve_dtype(dtype)
+    except ValueError as err:
+        raise ValueError(f"imagereward: {err}") from None
 
 
 class ImageReward:

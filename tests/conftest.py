@@ -11,20 +11,10 @@ FAMILIES = ["flux", "sd3", "sana", "wan", "toy"]
 @pytest.fixture
 def tiny_cfg(tmp_path):
     """Load a tiny family config with a temporary output_dir and quick settings."""
-    from diffrl.config import load_config
+    from tests.helpers import quick_config
 
     def make(family="flux", *overrides):
-        return load_config(
-            f"tiny_{family}_flowgrpo",
-            [
-                f"output_dir={tmp_path / family}",
-                "train.max_steps=2",
-                "eval.every=0",
-                "checkpoint.every=0",
-                "logging.progress_bar=false",
-                *overrides,
-            ],
-        )
+        return quick_config(f"tiny_{family}_flowgrpo", tmp_path / family, *overrides)
 
     return make
 

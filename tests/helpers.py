@@ -16,6 +16,15 @@ def load_script(name: str):
     return module
 
 
+def quick_config(name: str, run_dir, *overrides):
+    """Config ``name`` writing to ``run_dir``, cut to 2 iterations with no evaluation, no
+    checkpoints and no progress bar; ``overrides`` come last and win."""
+    from diffrl.config import load_config
+
+    quick = ["train.max_steps=2", "eval.every=0", "checkpoint.every=0", "logging.progress_bar=false"]
+    return load_config(name, [f"output_dir={run_dir}", *quick, *overrides])
+
+
 class Killed(Exception):
     """Stands for the process being killed mid-run."""
 

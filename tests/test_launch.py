@@ -260,28 +260,8 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
 def test_under_accelerate_launch_q_our_error_is_the_last_line():
     """accelerate launch adds its own CalledProcessError traceback when the script fails;
     with -q (what the README uses) the user's last line is ours."""
-    out = _run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "-q",
-            "--cpu",
-            "--num_processes",
-            "1",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "scripts/train.py",
-            "--config",
-            "tiny_flux_flowgrpo",
-            "--set",
-            "train.max_stepz=2",
-        ]
-    )
+    script = ["scripts/train.py", "--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"]
+    out = _run([*LAUNCH, "-q", "--num_processes", "1", *script])
     assert out.returncode != 0
     last = [line for line in out.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("error: --set train.max_stepz: unknown key") and "Traceback" not in out.stderr

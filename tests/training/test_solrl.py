@@ -12,21 +12,11 @@ from diffrl.quant.exploration import ExplorationCopy
 from diffrl.sampling.subtree import subtree_nodes
 from diffrl.training.data import plan_step
 from diffrl.training.trainer import Trainer
-from tests.helpers import fit_until_killed
+from tests.helpers import fit_until_killed, quick_config
 
 
 def _cfg(name, tmp_path, *overrides):
-    return load_config(
-        name,
-        [
-            f"output_dir={tmp_path / name}",
-            "train.max_steps=2",
-            "eval.every=0",
-            "checkpoint.every=0",
-            "logging.progress_bar=false",
-            *overrides,
-        ],
-    )
+    return quick_config(name, tmp_path / name, *overrides)
 
 
 def _stage_run(trainer, step=0):
