@@ -370,17 +370,12 @@ def test_fsdp_full_fine_tune_shards_the_reference_and_exports_a_loadable_transfo
 
 
 def test_solrl_under_fsdp_is_one_clear_error_before_any_model_is_built():
-    """Checked on the accelerator's distributed type before the model is built (an
-    in-process stand-in for the accelerator: the real one needs a launch)."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
+    """The Trainer's first check, on the accelerator's distributed type (the real one
+    needs a launch): Sol-RL is refused under FSDP, trees and DDP are not."""
     from diffrl.config import ConfigError, load_config
-    from diffrl.training.trainer import Trainer
+    from diffrl.training.sharding import refuse_unsharded_stages
 
-    trainer = Trainer.__new__(Trainer)  # only the check: no model, no prompts
-    trainer.acc = SimpleNamespace(distributed_type=DistributedType.FSDP)
     with pytest.raises(ConfigError, match="solrl.enabled does not run under FSDP yet"):
-        trainer._check_sharding(load_config("tiny_flux_solrl"))
-    trainer._check_sharding(load_config("tiny_flux_branchgrpo"))  # trees run under FSDP
+        refuse_unsharded_stages(load_config("tiny_flux_solrl"), fsdp=True)
+    refuse_unsharded_stages(load_config("tiny_flux_branchgrpo"), fsdp=True)  # trees run under FSDP
+    refuse_unsharded_stages(load_config("tiny_flux_solrl"), fsdp=False)  # Sol-RL runs under DDP

@@ -77,3 +77,17 @@ def reshard(module: torch.nn.Module) -> None:
     for unit in module.modules():
         if hasattr(unit, "reshard") and type(unit).__name__.startswith("FSDP"):
             unit.reshard()
+
+
+def refuse_unsharded_stages(cfg, fsdp: bool) -> None:
+    """Sol-RL regenerates sub-trees whose shapes differ between processes, so under FSDP
+    its processes would run different numbers of sharded forwards (each a collective) and
+    hang: refused, before any model is built, until those forwards are padded."""
+    if fsdp and cfg.solrl.enabled:
+        from diffrl.config import ConfigError
+
+        raise ConfigError(
+            "solrl.enabled does not run under FSDP yet (its regenerations run different "
+            "numbers of sharded forwards on different processes); launch it with DDP "
+            "(accelerate launch without --use_fsdp)"
+        )

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from diffrl.algorithms import compute_advantages, get_objective
 from diffrl.algorithms.solrl import SolRLSettings, SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
-from diffrl.config import Config, ConfigError, save_config
+from diffrl.config import Config, save_config
 from diffrl.evaluation.scoring import EvalSettings, evaluate, spaced_subset
 from diffrl.evaluation.summary import before_after
 from diffrl.models import build_adapter
@@ -33,7 +33,7 @@ from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
 from diffrl.training.setup import make_accelerator, make_lr_scheduler
-from diffrl.training.sharding import reshard, shard_frozen_copy
+from diffrl.training.sharding import refuse_unsharded_stages, reshard, shard_frozen_copy
 from diffrl.training.stages import Credit, Rollout
 from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
 from diffrl.training.watchdog import check_stalled, no_update_message
@@ -44,7 +44,7 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None):
         self.cfg = cfg
         self.acc = accelerator or make_accelerator(cfg)
-        self._check_sharding(cfg)
+        refuse_unsharded_stages(cfg, self.acc.distributed_type == DistributedType.FSDP)
         self._load_inputs(cfg)  # first: bad prompts or rewards fail before any model is built
         self.strategy = get_strategy(cfg.rollout.strategy)
         self.sampler_settings = SamplerSettings.of(cfg)  # all a rollout strategy reads
@@ -83,29 +83,12 @@ class Trainer:
         )
         self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
         if self.acc.distributed_type == DistributedType.FSDP:
-            self._shard_the_rest(cfg)
+            if self.policy.frozen_reference is not None:  # full fine-tuning's KL reference
+                shard_frozen_copy(self.policy.frozen_reference)
+            self.acc.print(f"FSDP: the transformer is sharded over {self.acc.num_processes} processes")
         # Not passed through prepare(): accelerate would step it once per *process* per
         # optimizer step, while our step counts are already per optimizer step.
         self.scheduler = make_lr_scheduler(self.optimizer, cfg, int(self.numbers["optimizer_steps_total"]))
-
-    def _check_sharding(self, cfg: Config) -> None:
-        """Sol-RL regenerates sub-trees whose shapes differ between processes, so under
-        FSDP its processes would run different numbers of sharded forwards (each a
-        collective) and hang: refused, before any model is built, until those forwards
-        are padded."""
-        if cfg.solrl.enabled and self.acc.distributed_type == DistributedType.FSDP:
-            raise ConfigError(
-                "solrl.enabled does not run under FSDP yet (its regenerations run different "
-                "numbers of sharded forwards on different processes); launch it with DDP "
-                "(accelerate launch without --use_fsdp)"
-            )
-
-    def _shard_the_rest(self, cfg: Config) -> None:
-        """Under FSDP the policy is sharded by prepare(); shard the frozen reference of a
-        full fine-tune too."""
-        if self.policy.frozen_reference is not None:
-            shard_frozen_copy(self.policy.frozen_reference)
-        self.acc.print(f"FSDP: the transformer is sharded over {self.acc.num_processes} processes")
 
     def _build_update_state(self, cfg: Config) -> None:
         """Counters, EMAs and the update stage; every piece of state a checkpoint holds is
