@@ -2,7 +2,6 @@
 subprocess, the CLI's error paths, and two gloo processes against one."""
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -195,37 +194,6 @@ def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
         torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.slow
-def test_two_gloo_processes_run_solrl_sub_trees_of_different_shapes(tmp_path):
-    """Sol-RL over gloo with a tree pool: each process regenerates sub-trees whose shapes
-    depend on its own selection, so node counts and per-step edge counts differ between
-    processes. Gathers are ragged-safe and passes are padded to a common structure, so the
-    run finishes (instead of hanging in a collective) and its rollouts equal one process's."""
-    common = [
-        "scripts/train.py",
-        "--config",
-        "tiny_flux_solrl",
-        "--set",
-        "train.max_steps=2",
-        "--set",
-        "rollout.batch_size=1",
-        "--set",
-        "rollout.prompts_per_step=4",
-    ]
-    one = _run(
-        TORCHRUN + ["1", *common, "--set", f"output_dir={tmp_path / 'one'}"], ACCELERATE_USE_CPU="true"
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = _run(
-        TORCHRUN + ["2", *common, "--set", f"output_dir={tmp_path / 'two'}"], ACCELERATE_USE_CPU="true"
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    r1, r2 = _rows(tmp_path / "one")[0], _rows(tmp_path / "two")[0]
-    for key in ("reward/mean", "solrl/pool_reward_mean", "rollout/nfe", "tree/edges"):
-        assert r1[key] == pytest.approx(r2[key], rel=1e-6, abs=1e-9), key
-    assert all(math.isfinite(r["loss"]) for r in _rows(tmp_path / "two"))
-
-
 def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     """The product card's `train.py --config flux_solrl.yaml`: the dry run prints the
     Sol-RL plan; a real start gets as far as loading its HPSv2.1 reward (rewards load
@@ -369,13 +337,47 @@ def test_fsdp_full_fine_tune_shards_the_reference_and_exports_a_loadable_transfo
     assert all(torch.equal(state[name], w2[name]) for name in w2)
 
 
-def test_solrl_under_fsdp_is_one_clear_error_before_any_model_is_built():
-    """The Trainer's first check, on the accelerator's distributed type (the real one
-    needs a launch): Sol-RL is refused under FSDP, trees and DDP are not."""
-    from diffrl.config import ConfigError, load_config
-    from diffrl.training.sharding import refuse_unsharded_stages
+SOLRL = ["rollout.batch_size=1", "rollout.prompts_per_step=4", "checkpoint.every=1", "eval.every=0"]
 
-    with pytest.raises(ConfigError, match="solrl.enabled does not run under FSDP yet"):
-        refuse_unsharded_stages(load_config("tiny_flux_solrl"), fsdp=True)
-    refuse_unsharded_stages(load_config("tiny_flux_branchgrpo"), fsdp=True)  # trees run under FSDP
-    refuse_unsharded_stages(load_config("tiny_flux_solrl"), fsdp=False)  # Sol-RL runs under DDP
+
+def _solrl(processes: int, run_dir, resume=None, **env):
+    """tiny_flux_solrl (an NVFP4 tree pool, BF16 sub-tree regeneration) for 2 steps."""
+    sets = ["train.max_steps=2", *SOLRL, f"output_dir={run_dir}"]
+    args = ["scripts/train.py", "--config", "tiny_flux_solrl", *[a for s in sets for a in ("--set", s)]]
+    args += ["--resume", str(resume)] if resume else []
+    run = _run(TORCHRUN + [str(processes), *args], **({"ACCELERATE_USE_CPU": "true"} | env))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+@needs_fsdp2
+def test_solrl_sub_trees_over_two_processes_under_ddp_and_fsdp(tmp_path):
+    """Sol-RL with a tree pool over gloo: each process regenerates sub-trees whose shapes
+    depend on its own selection, so node and edge counts differ between processes.
+
+    * DDP: gathers are ragged-safe and passes padded to one structure, so the run ends
+      (instead of hanging in a collective) and its rollouts equal one process's.
+    * FSDP: the exploration copy is synced from the shards one block at a time, and the
+      regeneration's sharded forwards are aligned across processes (idle forwards); the
+      run equals the DDP run (weights within ~6e-8 measured: reduce-scatter and
+      all-reduce sum in different orders), and a run resumed from step 1 ends on the
+      same weights exactly."""
+    _solrl(1, tmp_path / "one")
+    ddp = _solrl(2, tmp_path / "ddp")
+    assert "processes                                2" in ddp.stdout
+    r1, r2 = _rows(tmp_path / "one")[0], _rows(tmp_path / "ddp")[0]
+    for key in ("reward/mean", "solrl/pool_reward_mean", "rollout/nfe", "tree/edges"):
+        assert r1[key] == pytest.approx(r2[key], rel=1e-6, abs=1e-9), key
+    fsdp = _solrl(2, tmp_path / "fsdp", **FSDP_ENV)
+    assert "FSDP: the transformer is sharded over 2 processes" in fsdp.stdout
+    _solrl(2, tmp_path / "resumed", resume=tmp_path / "fsdp" / "checkpoints" / "step-1", **FSDP_ENV)
+    for a, b in zip(_rows(tmp_path / "ddp"), _rows(tmp_path / "fsdp"), strict=True):
+        for key in ("reward/mean", "solrl/pool_reward_mean", "solrl/kendall_tau", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), key
+        assert a["rollout/nfe"] == b["rollout/nfe"]  # idle forwards are not counted
+    w_ddp, w_fsdp = _trainable(tmp_path / "ddp", 2), _trainable(tmp_path / "fsdp", 2)
+    for name in w_ddp:
+        torch.testing.assert_close(w_ddp[name], w_fsdp[name], atol=1e-6, rtol=1e-5)
+    w_resumed = _trainable(tmp_path / "resumed", 2)
+    assert all(torch.equal(w_fsdp[name], w_resumed[name]) for name in w_fsdp)

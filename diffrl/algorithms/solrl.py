@@ -84,8 +84,11 @@ class SolRLStage:
     """Owns the exploration copy and runs explore -> select -> regenerate. ``settings``
     is a :class:`SolRLSettings` or a whole config, narrowed to one."""
 
-    def __init__(self, settings, transformer, reward_fn, log=print):
+    def __init__(self, settings, transformer, reward_fn, log=print, align_forwards=None):
         self.settings, self.reward_fn = SolRLSettings.of(settings), reward_fn
+        # FSDP: maps this process's per-level forward counts of a sub-tree regeneration
+        # to the counts every process runs (see regenerate_subtree); None runs its own
+        self.align_forwards = align_forwards
         s = self.settings
         sol = s.solrl
         self.copy = None
@@ -133,7 +136,11 @@ class SolRLStage:
 
     def regenerate(self, adapter, transformer, cond, pool, flat: torch.Tensor, keys, iteration: int):
         if isinstance(pool, TreeTrajectory):
-            return regenerate_subtree(adapter, transformer, cond, pool, flat, self.settings.sampler), cond
+            sub = regenerate_subtree(
+                adapter, transformer, cond, pool, flat, self.settings.sampler, self.align_forwards
+            )
+            return sub, cond
+        # independent candidates: k per prompt on every process, so the same forwards
         sel = flat.tolist()
         picked = cond.select(sel)
         return rollout_independent(

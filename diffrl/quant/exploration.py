@@ -34,6 +34,7 @@ from torch import nn
 
 from diffrl.quant.formats import fake_fp8, fake_nvfp4
 from diffrl.quant.keep_high import split_keep_high
+from diffrl.training.sharding import units_gathered
 
 PRECISIONS = ("nvfp4", "fp8", "bf16")
 # layers whose weights are loaded one by one at sync (LoRA merged); the rest is copied as is
@@ -156,19 +157,35 @@ class ExplorationCopy:
 
     @torch.no_grad()
     def sync(self, transformer: nn.Module) -> None:
-        """Copy the current weights in (LoRA merged) and re-quantize them."""
+        """Copy the current weights in (LoRA merged) and re-quantize them.
+
+        A transformer sharded by FSDP is read one unit (transformer block) at a time,
+        gathered while it is read (:func:`units_gathered`): the copy itself is whole on
+        every process, so exploration runs no collectives, and the sync's extra memory is
+        one block. Every process syncs at the same point of the loop."""
         source = dict(transformer.named_modules())
-        done = set()
-        for name in self.layer_names:
-            target = self.module.get_submodule(name)
-            self._write_layer(name, target, merged_weight(source[name]))
-            bias = _base(source[name]).bias
-            if bias is not None:
-                target.bias.copy_(bias.to(target.bias.dtype))
-            done |= {f"{name}.weight", f"{name}.bias"}
-        # everything else (norms, embeddings, scale-shift tables) is copied as it is
+        for owns in units_gathered(transformer):
+            for name in self.layer_names:
+                if owns(name):
+                    self._sync_layer(name, source[name])
+            self._copy_other_tensors(transformer, owns)
+
+    def _sync_layer(self, name: str, source: nn.Module) -> None:
+        target = self.module.get_submodule(name)
+        self._write_layer(name, target, merged_weight(source))
+        bias = _base(source).bias
+        if bias is not None:
+            target.bias.copy_(bias.to(target.bias.dtype))
+
+    def _copy_other_tensors(self, transformer: nn.Module, owns) -> None:
+        """Everything but the weight layers (norms, embeddings, scale-shift tables), as
+        it is, for the modules ``owns`` accepts."""
         own = self.module.state_dict()
-        for key, value in transformer.state_dict().items():
+        layers = set(self.layer_names)
+        tensors = [*transformer.named_parameters(), *transformer.named_buffers()]
+        for key, value in tensors:
             key = key.replace(".base_layer.", ".")
-            if "lora_" not in key and key in own and key not in done:
-                own[key].copy_(value)
+            module = key.rpartition(".")[0]
+            if "lora_" in key or module in layers or key not in own or not owns(module):
+                continue
+            own[key].copy_(value.detach())

@@ -13,6 +13,8 @@ structure from ``parent``/``depth``, not from the pool's ``spec`` closed forms.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from diffrl.sampling.settings import SamplerSettings
@@ -25,10 +27,27 @@ def subtree_nodes(tree: TreeTrajectory, leaves) -> torch.Tensor:
     return torch.unique(tree.paths(torch.as_tensor(leaves)).flatten())
 
 
+def idle_forwards_per_level(depth, num_steps: int, batch_size: int, align_forwards) -> list[int]:
+    """Forwards each level must add so that every process runs the same number.
+
+    A sub-tree's level sizes depend on this process's selection, so its chunked forwards
+    differ in number between processes. Under FSDP every forward gathers weights (a
+    collective), and unequal counts would hang; ``align_forwards`` maps this process's
+    per-level counts to the common ones (their maximum), and the difference is run on a
+    dummy row whose output is dropped. Without it, nothing is added."""
+    local = [math.ceil(int((depth == t).sum()) / batch_size) for t in range(num_steps)]
+    if align_forwards is None:
+        return [0] * num_steps
+    return [common - mine for common, mine in zip(align_forwards(local), local, strict=True)]
+
+
 @torch.no_grad()
-def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves, cfg) -> TreeTrajectory:
+def regenerate_subtree(
+    adapter, transformer, cond, pool: TreeTrajectory, leaves, cfg, align_forwards=None
+) -> TreeTrajectory:
     """Re-run the sub-tree of ``leaves`` through ``transformer`` with the pool's noise.
-    ``cond`` is the conditioning the pool was grown with (rows ``pool.cond_rows``)."""
+    ``cond`` is the conditioning the pool was grown with (rows ``pool.cond_rows``);
+    ``align_forwards`` (FSDP) is described in :func:`idle_forwards_per_level`."""
     cfg = SamplerSettings.of(cfg)
     leaves = torch.sort(torch.as_tensor(leaves)).values
     nodes = subtree_nodes(pool, leaves)
@@ -41,6 +60,7 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
     grow = TreeGrowth(
         adapter, transformer, cond, pool.cond_rows, pool.sigmas, pool.step_kinds, pool.noise_levels, cfg
     )
+    idle = idle_forwards_per_level(depth, pool.num_steps, cfg.batch_size, align_forwards)
     x = grow.start(pool.noise[nodes[roots]].to(adapter.device))
     for t in range(pool.num_steps):
         here = torch.nonzero(depth == t).flatten()
@@ -52,7 +72,7 @@ def regenerate_subtree(adapter, transformer, cond, pool: TreeTrajectory, leaves,
         # weights the regenerated child equals the pool's; with the BF16 policy it is the
         # same noise through a better model, which is what Sol-RL regenerates
         eps = pool.noise[nodes[children]].to(x.device)
-        x = grow.level(t, x, tree[here], parent_pos, eps)
+        x = grow.level(t, x, tree[here], parent_pos, eps, idle_forwards=idle[t])
     parent = torch.where(roots, torch.full_like(depth, -1), remap[pool.parent[nodes].clamp(min=0)])
     traj = TreeTrajectory(
         **grow.node_tensors(),

@@ -276,15 +276,18 @@ class TreeGrowth:
         self._record(roots, torch.zeros_like(roots), roots, zeros, zeros, zeros)
         return roots
 
-    def level(self, t: int, x, tree_of, parent_pos, eps) -> torch.Tensor:
+    def level(self, t: int, x, tree_of, parent_pos, eps, idle_forwards: int = 0) -> torch.Tensor:
         """Step the nodes ``x`` at depth ``t`` (of trees ``tree_of``) into their children:
         each node is evaluated once, and child i continues from node ``parent_pos[i]``
-        with the edge noise ``eps[i]``. Returns the children's latents."""
+        with the edge noise ``eps[i]``. Returns the children's latents. ``idle_forwards``
+        more forwards of one row run and are dropped (FSDP alignment, see
+        :func:`diffrl.sampling.subtree.idle_forwards_per_level`); they are not counted."""
         device = x.device
         rows = [self.cond_rows[k] for k in tree_of.tolist()]
-        v = velocity_chunks(
-            self.adapter, self.transformer, x, self.sigmas[t].to(device), self.cond, rows, self.batch_size
-        )
+        sigma = self.sigmas[t].to(device)
+        v = velocity_chunks(self.adapter, self.transformer, x, sigma, self.cond, rows, self.batch_size)
+        for _ in range(idle_forwards):
+            self.adapter.velocity(self.transformer, x[:1], sigma.expand(1), self.cond.select(rows[:1]))
         self.nfe += x.shape[0]
         res = step(
             self.kinds[t],

@@ -30,6 +30,7 @@ Both give the same number of optimizer steps per epoch for the same number of sa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,7 @@ def edge_major(
     epoch: int,
     keep: torch.Tensor | None = None,
     pad_to: dict[int, int] | None = None,
+    mean_over_processes: Callable[[list[int]], list[float]] | None = None,
 ) -> list[list[Pass]]:
     """Passes over the nodes with ``train`` set (each node stands for its incoming edge,
     at step depth - 1); ``keep`` marks the ones whose loss is not masked out.
@@ -195,7 +197,13 @@ def edge_major(
     ``pad_to`` (step -> edge count, the maximum over processes) pads each step with
     dead rows so that every process runs the same passes of the same sizes, which DDP
     needs when trees differ in shape (Sol-RL sub-trees): a dead row repeats a node at that
-    depth, is forwarded with weight 0 and counts in no denominator."""
+    depth, is forwarded with weight 0 and counts in no denominator.
+
+    ``mean_over_processes`` (several processes) averages live-edge counts over the
+    processes, and the denominators use those means: DDP and FSDP average gradients over
+    processes, so with denominators of ``P * mean = `` the live edges of *all* processes,
+    every live edge of an optimizer step weighs the same, as on one process. With local
+    denominators, an edge of a smaller sub-tree would weigh more."""
     s = PassSettings.of(cfg)
     n_groups = optimizer_steps_per_epoch(num_leaves, s)
     keep = torch.ones_like(train) if keep is None else keep.bool()
@@ -220,23 +228,29 @@ def edge_major(
         ):
             if len(part):
                 per_group[(i + t) % n_groups].append((t, part, part_live))
-    return [_group_passes(parts, keep, s) for parts in per_group if parts]
+    groups = [parts for parts in per_group if parts]
+    live = [[int(a.sum()) for _, _, a in parts] for parts in groups]
+    if mean_over_processes is not None:  # one collective for every group (same layout everywhere)
+        means = iter(mean_over_processes([n for counts in live for n in counts]))
+        live = [[next(means) for _ in counts] for counts in live]
+    return [_group_passes(parts, keep, s, counts) for parts, counts in zip(groups, live, strict=True)]
 
 
 def _group_passes(
-    parts: list[tuple[int, torch.Tensor, torch.Tensor]], keep: torch.Tensor, s: PassSettings
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]], keep: torch.Tensor, s: PassSettings, live: list
 ) -> list[Pass]:
     """Chunk one optimizer step's per-step edge sets into passes of at most
     ``micro_batch_size`` rows. The objective averages over a pass's kept rows, so the
     share's numerator is the kept count and its denominator counts every live edge: a
     masked edge weighs as a zero loss, and the result does not depend on how edges fall
-    into passes."""
+    into passes. ``live`` holds each part's live-edge count (this process's, or the mean
+    over processes; see :func:`edge_major`)."""
     mb = s.micro_batch_size
-    total = max(1, sum(int(a.sum()) for _, _, a in parts))
-    live_steps = max(1, sum(bool(a.any()) for _, _, a in parts))  # an all-padding step weighs nothing
+    total = sum(live) or 1
+    live_steps = sum(n > 0 for n in live) or 1  # an all-padding step weighs nothing
     passes = []
-    for t, part, alive in parts:
-        den = max(1, int(alive.sum())) * live_steps if s.loss_weighting == "depth" else total
+    for (t, part, alive), live_here in zip(parts, live, strict=True):
+        den = (live_here or 1) * live_steps if s.loss_weighting == "depth" else total
         for i in range(0, len(part), mb):
             chunk, chunk_live = part[i : i + mb], alive[i : i + mb]
             counted = keep[chunk] & chunk_live

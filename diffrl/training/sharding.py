@@ -11,6 +11,9 @@ are plain copies.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 
 
@@ -74,20 +77,71 @@ def reshard(module: torch.nn.Module) -> None:
     shards (an EMA swap, an old-policy swap) would not reach the next forward. Called
     before parameters are read or swapped and after every forward without backward.
     A no-op without FSDP, and for units already sharded."""
+    kind = _fsdp_module_type()
     for unit in module.modules():
-        if hasattr(unit, "reshard") and type(unit).__name__.startswith("FSDP"):
+        if kind is not None and isinstance(unit, kind):
             unit.reshard()
 
 
-def refuse_unsharded_stages(cfg, fsdp: bool) -> None:
-    """Sol-RL regenerates sub-trees whose shapes differ between processes, so under FSDP
-    its processes would run different numbers of sharded forwards (each a collective) and
-    hang: refused, before any model is built, until those forwards are padded."""
-    if fsdp and cfg.solrl.enabled:
-        from diffrl.config import ConfigError
+def _fsdp_module_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2: nothing is ever sharded by it
+        return None
+    return FSDPModule
 
-        raise ConfigError(
-            "solrl.enabled does not run under FSDP yet (its regenerations run different "
-            "numbers of sharded forwards on different processes); launch it with DDP "
-            "(accelerate launch without --use_fsdp)"
-        )
+
+def _owner(name: str, units: list[str]) -> str:
+    """The innermost unit prefix holding module ``name`` ("" is the root)."""
+    best = ""
+    for prefix in units:
+        if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > len(best):
+            best = prefix
+    return best
+
+
+@contextlib.contextmanager
+def _gathered(unit: torch.nn.Module | None):
+    if unit is None:
+        yield
+        return
+    unit.unshard()  # collective: every process gathers the same unit
+    try:
+        yield
+    finally:
+        unit.reshard()
+
+
+def units_gathered(module: torch.nn.Module) -> Iterator[Callable[[str], bool]]:
+    """Visit ``module``'s FSDP units one at a time, each gathered while it is visited.
+
+    Yields, per unit, ``owns(name)``: whether the parameters held directly by the
+    submodule named ``name`` are the gathered (plain, whole) ones now. Reading a
+    sharded model unit by unit keeps the extra memory to one transformer block, not the
+    whole model. Every process must visit the units together (each gather is a
+    collective); the order is ``named_modules`` order, the same everywhere. Without FSDP
+    it yields once, owning everything."""
+    kind = _fsdp_module_type()
+    units = {n: m for n, m in module.named_modules() if kind is not None and isinstance(m, kind)}
+    if not units:
+        with _gathered(None):
+            yield lambda _name: True
+        return
+    prefixes = list(units)
+    for prefix, unit in units.items():
+        with _gathered(unit):
+            yield lambda name, prefix=prefix: _owner(name, prefixes) == prefix
+
+
+def max_over_processes(accelerator, counts: list[int]) -> list[int]:
+    """Elementwise maximum of ``counts`` over every process (a collective)."""
+    if accelerator.num_processes == 1:
+        return list(counts)
+    local = torch.tensor([list(counts)], dtype=torch.long, device=accelerator.device)
+    return [int(n) for n in accelerator.gather(local).cpu().amax(0).tolist()]
+
+
+def mean_over_processes(accelerator, counts: list[int]) -> list[float]:
+    """Elementwise mean of ``counts`` over every process (a collective)."""
+    local = torch.tensor([list(counts)], dtype=torch.float64, device=accelerator.device)
+    return accelerator.gather(local).cpu().mean(0).tolist()

@@ -33,7 +33,7 @@ from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
 from diffrl.training.setup import make_accelerator, make_lr_scheduler
-from diffrl.training.sharding import refuse_unsharded_stages, reshard, shard_frozen_copy
+from diffrl.training.sharding import max_over_processes, reshard, shard_frozen_copy
 from diffrl.training.stages import Credit, Rollout
 from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
 from diffrl.training.watchdog import check_stalled, no_update_message
@@ -44,7 +44,6 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None):
         self.cfg = cfg
         self.acc = accelerator or make_accelerator(cfg)
-        refuse_unsharded_stages(cfg, self.acc.distributed_type == DistributedType.FSDP)
         self._load_inputs(cfg)  # first: bad prompts or rewards fail before any model is built
         self.strategy = get_strategy(cfg.rollout.strategy)
         self.sampler_settings = SamplerSettings.of(cfg)  # all a rollout strategy reads
@@ -81,6 +80,7 @@ class Trainer:
             weight_decay=cfg.optim.weight_decay,
             eps=cfg.optim.eps,
         )
+        self.solrl = self._build_solrl(cfg)  # before prepare: from the whole, unsharded weights
         self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
         if self.acc.distributed_type == DistributedType.FSDP:
             if self.policy.frozen_reference is not None:  # full fine-tuning's KL reference
@@ -125,12 +125,23 @@ class Trainer:
             self.ema,
             self.old_policy,
         )
-        self.solrl = None
-        if cfg.solrl.enabled:
-            self.solrl = SolRLStage(
-                SolRLSettings.of(cfg), self.adapter.transformer, self.reward_fn, log=self.acc.print
-            )
+        if self.solrl is not None:
             self.updater.after_step.append(self.solrl.mark_stale)
+
+    def _build_solrl(self, cfg: Config) -> SolRLStage | None:
+        """Sol-RL's stage and its exploration copy. Under FSDP the copy stays whole on
+        every process (exploration runs no collectives) and the regeneration's sharded
+        forwards are aligned: every process runs as many as the busiest one."""
+        if not cfg.solrl.enabled:
+            return None
+        fsdp = self.acc.distributed_type == DistributedType.FSDP
+        return SolRLStage(
+            SolRLSettings.of(cfg),
+            self.adapter.transformer,
+            self.reward_fn,
+            log=self.acc.print,
+            align_forwards=(lambda counts: max_over_processes(self.acc, counts)) if fsdp else None,
+        )
 
     # -- stages ---------------------------------------------------------------------------
     def rollout_and_score(self, step: int) -> Rollout:
@@ -152,6 +163,7 @@ class Trainer:
                 self.acc.autocast,
                 rollout_model=self.rollout_model,
             )
+            reshard(self.model)  # FSDP: as after any rollout (see below)
             groups = local.group_ids.reshape(-1, size)[:, : cfg.rollout.group_size].flatten()
             return Rollout(
                 out.traj,

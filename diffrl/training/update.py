@@ -22,7 +22,7 @@ from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.sampling import rng
 from diffrl.training.passes import Pass, PassSettings, edge_major, sample_major, step_edge_counts
-from diffrl.training.sharding import reshard
+from diffrl.training.sharding import max_over_processes, mean_over_processes, reshard
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,13 @@ class Updater:
                 return {}
 
             pad_to = self._common_edge_counts(train, traj)
+            several = self.acc.num_processes > 1
+            mean = (lambda counts: mean_over_processes(self.acc, counts)) if several else None
 
             def plan(epoch):
-                return edge_major(train, traj.depth, traj.num_leaves, s.passes, step, epoch, keep, pad_to)
+                return edge_major(
+                    train, traj.depth, traj.num_leaves, s.passes, step, epoch, keep, pad_to, mean
+                )
 
         totals: dict[str, list[float]] = defaultdict(list)
         for epoch in range(s.num_inner_epochs):
@@ -167,11 +171,10 @@ class Updater:
         pass runs collectives. None on one process."""
         if self.acc.num_processes == 1:
             return None
-        local = torch.zeros(traj.num_steps, dtype=torch.long)
+        local = [0] * traj.num_steps
         for t, n in step_edge_counts(train, traj.depth, self.settings.passes).items():
             local[t] = n
-        everywhere = self.acc.gather(local.unsqueeze(0).to(self.acc.device)).cpu().amax(0)
-        return {t: int(n) for t, n in enumerate(everywhere.tolist()) if n > 0}
+        return {t: n for t, n in enumerate(max_over_processes(self.acc, local)) if n > 0}
 
     def _optimizer_step(self, ctx, traj, cond, advantages, passes: list[Pass], totals, epoch: int) -> None:
         """Accumulate gradients over ``passes``, then step once."""

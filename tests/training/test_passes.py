@@ -135,6 +135,47 @@ def test_padding_gives_processes_one_pass_structure_and_leaves_live_rows_alone(w
         assert sorted(live_rows) == torch.nonzero(m).flatten().tolist()  # every live edge once
 
 
+@pytest.mark.parametrize("weighting", ["edge", "depth"])
+def test_mean_counts_weigh_every_live_edge_of_all_processes_alike(weighting):
+    """Two processes with differently shaped sub-trees; DDP/FSDP average their gradients,
+    so a live row's weight in the optimizer step is 1 / (P * den). With the mean live
+    counts as denominators, the edges of both processes weigh as one process's would:
+    equally (``edge``), or equally within a step with every live step weighing the same
+    (``depth``). Reference: the weights counted directly from the two masks."""
+    cfg = _cfg(
+        "train.micro_batch_size=4", "train.gradient_accumulation=8", f"tree.loss_weighting={weighting}"
+    )
+    mask, depth = _mask(3)
+    masks = (_thinned(mask, depth, 0), _thinned(mask, depth, 1))
+    counts = [step_edge_counts(m, depth, cfg) for m in masks]
+    pad = {t: max(c.get(t, 0) for c in counts) for t in set(counts[0]) | set(counts[1])}
+    recorded = []  # each process's local live counts, captured by a first planning
+    for m in masks:
+        edge_major(
+            m, depth, 256, cfg, 5, 0, pad_to=pad, mean_over_processes=lambda c: recorded.append(c) or c
+        )
+    mean = [(a + b) / 2 for a, b in zip(*recorded, strict=True)]
+    plans = [
+        edge_major(m, depth, 256, cfg, 5, 0, pad_to=pad, mean_over_processes=lambda _c: mean) for m in masks
+    ]
+    for groups in zip(*plans, strict=True):  # the same optimizer step on both processes
+        weight = {}  # (process, row) -> its weight in the averaged gradient
+        for proc, group in enumerate(groups):
+            for p in group:
+                for row, alive in zip(p.rows, p.counted or [True] * len(p.rows), strict=True):
+                    if alive:
+                        weight[proc, row] = 1 / (2 * Fraction(p.share[1]))
+        steps = {(proc, row): int(depth[row]) - 1 for proc, row in weight}
+        assert sum(weight.values()) == 1
+        if weighting == "edge":
+            assert len(set(weight.values())) == 1
+        else:
+            live_steps = set(steps.values())
+            for t in live_steps:
+                at_t = [w for key, w in weight.items() if steps[key] == t]
+                assert len(set(at_t)) == 1 and sum(at_t) == Fraction(1, len(live_steps))
+
+
 def test_sample_major_carries_keep_as_row_weights_of_policy_and_anchor_passes():
     """Masked samples are still forwarded (every process runs the same passes) but
     weigh 0 in the loss; the shares do not change, so a masked sample is a zero loss."""

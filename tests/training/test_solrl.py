@@ -88,6 +88,34 @@ def test_bf16_tree_pool_sub_tree_is_reproduced_exactly(tmp_path, batch_size):
     assert sub.nfe < len(leaves) * sub.num_steps
 
 
+def test_aligned_sub_tree_runs_the_common_forward_counts_and_the_same_numbers(tmp_path):
+    """FSDP alignment (idle forwards): told that another process runs two more forwards
+    per level, the regeneration runs exactly those extra forwards, and its sub-tree, NFE
+    and rewards do not change (the idle rows are dropped)."""
+    trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path, "solrl.precision=bf16", "rollout.batch_size=2"))
+    _perturb(trainer)
+    _, plain, _ = _stage_run(trainer)
+    calls, asked = [], []
+    regenerate = trainer.solrl.regenerate
+
+    def counted_regenerate(*args, **kwargs):  # count the transformer's forwards in stage 2 only
+        hook = trainer.adapter.transformer.register_forward_hook(lambda *_: calls.append(1))
+        try:
+            return regenerate(*args, **kwargs)
+        finally:
+            hook.remove()
+
+    trainer.solrl.regenerate = counted_regenerate
+    trainer.solrl.align_forwards = lambda counts: asked.append(list(counts)) or [c + 2 for c in counts]
+    _, aligned, _ = _stage_run(trainer)
+    sub = aligned.traj
+    steps = sub.num_steps
+    assert asked == [[-(-int((sub.depth == t).sum()) // 2) for t in range(steps)]]  # chunks of 2
+    assert len(calls) == sum(asked[0]) + 2 * steps
+    assert sub.nfe == plain.traj.nfe
+    assert torch.equal(sub.latents, plain.traj.latents) and torch.equal(aligned.total, plain.total)
+
+
 def test_low_precision_pool_replays_noise_but_differs(tmp_path):
     trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path))
     _perturb(trainer)
