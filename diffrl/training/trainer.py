@@ -251,8 +251,9 @@ class Trainer:
         )
 
     def across_processes(self, local: dict) -> dict:
-        """Per-process stage metrics over all processes: NFE and sync counts are summed,
-        times take the slowest process, the rest (rewards, rank agreement) the mean."""
+        """Per-process metrics over all processes: NFE and sync counts are summed, times
+        take the slowest process, the rest (rewards, rank agreement, the objective's loss
+        and statistics) the mean. Every process must pass the same keys (a collective)."""
         if self.acc.num_processes == 1:
             return dict(local)
         keys = sorted(local)
@@ -308,7 +309,8 @@ class Trainer:
         else:
             clock = StageClock(self.acc.device)
             with clock.stage("update"):
-                metrics.update(self.updater.run(r.traj, r.cond, credit, step))
+                # every process runs the same passes, so the same statistics' keys
+                metrics.update(self.across_processes(self.updater.run(r.traj, r.cond, credit, step)))
             metrics.update(self.across_processes(clock.metrics))
         if self.old_policy is not None:
             # DiffusionNFT's schedule is a function of the optimizer steps completed so far

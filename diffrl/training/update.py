@@ -147,7 +147,9 @@ class Updater:
             def plan(epoch):
                 return sample_major(len(traj.keys), trainable, s.passes, step, epoch, anchored, keep)
         else:
-            if not bool(train.any()):  # everything pruned at this iteration: nothing to update
+            # everything pruned on every process: nothing to update. Asked of all processes
+            # (a collective): one with no edges of its own still runs the padded passes
+            if not _any_process(self.acc, bool(train.any())):
                 return {}
 
             pad_to = self._common_edge_counts(train, traj)
