@@ -258,6 +258,29 @@ class ObjectiveConfig:
         0.001, "DiffusionNFT old policy: decay grows by this per optimizer step after the flat part."
     )
     nft_old_decay_max: float = _f(0.5, "DiffusionNFT old policy: the decay stops growing here.")
+    forward_window: list[int] | None = _f(
+        None,
+        "Clean-sample objectives (nft, awm, dgpo): the steps [start, end) whose sigma x0 is "
+        "noised to; null: every step. DGPO trains the high-noise steps only.",
+    )
+    awm_huber_power: float = _f(
+        0.25,
+        "AWM: power p of the generalised-Huber surrogate log-likelihood -(t/p)((l+1e-10)^p - "
+        "1e-10^p) of the per-sample flow-matching error l; 1 gives -t l.",
+    )
+    awm_advantage_max: float = _f(
+        1.0, "AWM: clipped advantages are rescaled from [-adv_clip_max, adv_clip_max] to this range."
+    )
+    awm_ema_beta: float = _f(
+        1.0,
+        "AWM: weight of mean ||v_theta - v_ema||^2, the EMA anchor (its decay schedule is nft_old_decay_*).",
+    )
+    dgpo_beta: float = _f(100.0, "DGPO: beta of the group preference log-sigmoid.")
+    dppo_kl_threshold: float = _f(
+        1e-5,
+        "Flow-DPPO: a transition whose per-dimension KL(old || new) reaches this is masked "
+        "when its ratio moves further in the advantage's direction.",
+    )
     nft_sample_with: Literal["current", "old"] = _f(
         "current",
         "DiffusionNFT: roll out with the trained weights ('current') or with the old policy's "

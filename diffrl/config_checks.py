@@ -61,6 +61,7 @@ def check(cfg) -> None:
             "objective.nft_sample_with old needs objective.name nft and no solrl (Sol-RL explores "
             "with its own copy of the trained weights)"
         )
+    _check_objective(cfg)
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
@@ -144,3 +145,54 @@ def _check_solrl(cfg) -> None:
             "solrl with a tree pool: the selection already keeps best and worst leaves; set "
             "tree.width_pruning none"
         )
+
+
+def _check_objective(cfg) -> None:
+    """What the chosen objective supports (its ``strategies``) and needs, and the ranges
+    of its parameters."""
+    from diffrl.algorithms import get_objective
+
+    obj = cfg.objective
+    objective = get_objective(obj.name)
+    used = [cfg.rollout.strategy] + (["solrl"] if cfg.solrl.enabled else [])
+    for strategy in used:
+        if strategy not in objective.strategies:
+            raise ConfigError(
+                f"objective {obj.name} does not support {strategy} rollouts; it supports "
+                f"{', '.join(objective.strategies)}"
+            )
+    positive = {
+        "awm_huber_power": obj.awm_huber_power,
+        "awm_advantage_max": obj.awm_advantage_max,
+        "dgpo_beta": obj.dgpo_beta,
+        "dppo_kl_threshold": obj.dppo_kl_threshold,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"objective.{key} must be > 0, got {value}")
+    if obj.awm_ema_beta < 0:
+        raise ConfigError(f"objective.awm_ema_beta must be >= 0, got {obj.awm_ema_beta}")
+    if obj.name == "grpo_guard" and obj.logprob_reduction != "mean":
+        raise ConfigError(
+            "objective grpo_guard normalises the mean-reduced log-ratio: set objective.logprob_reduction mean"
+        )
+    if objective.whole_groups and cfg.train.micro_batch_size % cfg.rollout.group_size:
+        raise ConfigError(
+            f"objective {obj.name} trains whole prompt groups in one forward: make "
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) a multiple of rollout.group_size "
+            f"({cfg.rollout.group_size})"
+        )
+    _check_forward_window(cfg, objective)
+
+
+def _check_forward_window(cfg, objective) -> None:
+    window, steps = cfg.objective.forward_window, cfg.sampling.num_steps
+    if window is None:
+        return
+    if not objective.forward_process:
+        raise ConfigError(
+            f"objective.forward_window applies to clean-sample objectives (nft, awm, dgpo), not "
+            f"{cfg.objective.name}: its trained steps are the SDE window (sampling.sde_window)"
+        )
+    if not (len(window) == 2 and 0 <= window[0] < window[1] <= steps):
+        raise ConfigError(f"objective.forward_window must be [start, end) within [0, {steps}], got {window}")

@@ -45,9 +45,12 @@ def _rewards(cfg) -> list[dict]:
 
 def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
     """``--set`` assignments that turn ``cfg`` into its tiny-twin smoke run."""
+    from diffrl.algorithms import get_objective
     from diffrl.models import adapter_class
 
     video = adapter_class(cfg.model.family).is_video_family()
+    # an objective trained on whole groups (DGPO) needs a micro-batch of whole groups
+    micro_batch = cfg.rollout.group_size if get_objective(cfg.objective.name).whole_groups else 4
     return [
         "model.pretrained=tiny",
         "model.height=32",
@@ -61,7 +64,7 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         "train.mixed_precision='no'",
         f"rollout.prompts_per_step={processes}",
         "rollout.batch_size=16",
-        "train.micro_batch_size=4",
+        f"train.micro_batch_size={micro_batch}",
         "train.gradient_accumulation=1",
         "train.max_steps=1",
         "data.train_prompts=assets/prompts/tiny_train.txt",

@@ -3,6 +3,7 @@ steps, tree, Sol-RL, objective, advantages, groups) run one iteration on the fam
 tiny twin (``train.py --tiny-twin``), with weight-free rewards in place of model ones."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +12,12 @@ from diffrl.config import load_config
 from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
 
-REAL = [
-    "flux_flowgrpo",
-    "flux_branchgrpo",
-    "flux_solrl",
-    "sd35_flowgrpo",
-    "sd35_solrl",
-    "sana_solrl",
-    "wan_branchgrpo",
-]
+# every shipped config that is neither a tiny twin nor a toy: the real-model ones
+REAL = sorted(
+    p.stem
+    for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")
+    if not p.stem.startswith(("tiny_", "toy_"))
+)
 
 
 @pytest.mark.parametrize("name", REAL)

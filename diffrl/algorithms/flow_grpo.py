@@ -43,21 +43,47 @@ def _rescore(batch: StepBatch, v: torch.Tensor, level: float, reduction: str):
     )
 
 
-def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped-ratio loss (+ KL) for one step of a micro-batch; returns (loss, stats)."""
+def reference_kl(ctx: LossContext, batch: StepBatch, new, level: float) -> torch.Tensor:
+    """KL(p_theta || p_ref) of the batch's transitions, masked mean (B rows -> scalar)."""
     ocfg = ctx.objective_cfg
+    with torch.no_grad():
+        v_ref = ctx.reference_velocity(batch.x_t, batch.sigma.expand(batch.x_t.shape[0]), batch.cond)
+    ref = _rescore(batch, v_ref, level, ocfg.logprob_reduction)
+    per_row = gaussian_kl(
+        new.mean, ref.mean.detach(), new.std, new.std_t, ocfg.kl_type, ocfg.logprob_reduction
+    )
+    return masked_mean(per_row, batch.weights)
+
+
+def rescored(ctx: LossContext, batch: StepBatch):
+    """The stored transitions scored under the policy's velocity (with grad), and the
+    step rule's noise level they were drawn with."""
     level = ctx.noise_level if batch.noise_level is None else batch.noise_level
-    b = batch.x_t.shape[0]
-    sigma_b = batch.sigma.expand(b)
-    v = ctx.policy_velocity(batch.x_t, sigma_b, batch.cond)
-    new = _rescore(batch, v, level, ocfg.logprob_reduction)
+    v = ctx.policy_velocity(batch.x_t, batch.sigma.expand(batch.x_t.shape[0]), batch.cond)
+    return _rescore(batch, v, level, ctx.objective_cfg.logprob_reduction), level
+
+
+def flow_grpo_loss(
+    ctx: LossContext, batch: StepBatch, ratio_norm: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio loss (+ KL) for one step of a micro-batch; returns (loss, stats).
+    ``ratio_norm``: GRPO-Guard's normalised ratio and 1/|dt| weighting
+    (:mod:`diffrl.algorithms.grpo_guard`)."""
+    ocfg = ctx.objective_cfg
+    new, level = rescored(ctx, batch)
     log_ratio = new.log_prob - batch.old_log_prob
+    if ratio_norm:
+        from diffrl.algorithms.grpo_guard import normalized_log_ratio
+
+        log_ratio = normalized_log_ratio(log_ratio, new.mean, batch.old_mean, new.std)
     ratio = torch.exp(log_ratio)
     adv = torch.clamp(batch.advantages, -ocfg.adv_clip_max, ocfg.adv_clip_max)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - ocfg.clip_range, 1.0 + ocfg.clip_range)
     w = batch.weights
     policy_loss = masked_mean(torch.maximum(unclipped, clipped), w)
+    if ratio_norm:  # GRPO-Guard's step reweighting: 1 / |dt| = 1 / (sqrt(-dt))^2
+        policy_loss = policy_loss / (batch.sigma - batch.sigma_next).abs()
     stats = {
         "policy_loss": policy_loss.detach(),
         "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, w),
@@ -66,15 +92,7 @@ def flow_grpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     }
     loss = policy_loss
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
-        with torch.no_grad():
-            v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        ref = _rescore(batch, v_ref, level, ocfg.logprob_reduction)
-        kl = masked_mean(
-            gaussian_kl(
-                new.mean, ref.mean.detach(), new.std, new.std_t, ocfg.kl_type, ocfg.logprob_reduction
-            ),
-            w,
-        )
+        kl = reference_kl(ctx, batch, new, level)
         loss = loss + ocfg.kl_coef * kl
         stats["kl"] = kl.detach()
     stats["loss"] = loss.detach()

@@ -47,17 +47,20 @@ from __future__ import annotations
 
 import torch
 
-from diffrl.algorithms.objective import LossContext, Objective, StepBatch, masked_mean, register_objective
-
-
-def _per_sample_mean(x: torch.Tensor) -> torch.Tensor:
-    return x.flatten(1).mean(1)
+from diffrl.algorithms.objective import (
+    LossContext,
+    Objective,
+    StepBatch,
+    masked_mean,
+    per_sample_mean,
+    register_objective,
+)
 
 
 def _adaptive_x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        weight = _per_sample_mean((x0_hat.double() - x0.double()).abs()).clamp(min=1e-5)
-    return _per_sample_mean((x0_hat - x0) ** 2) / weight.to(x0_hat.dtype)
+        weight = per_sample_mean((x0_hat.double() - x0.double()).abs()).clamp(min=1e-5)
+    return per_sample_mean((x0_hat - x0) ** 2) / weight.to(x0_hat.dtype)
 
 
 def optimality_probability(advantages: torch.Tensor, clip: float) -> torch.Tensor:
@@ -98,7 +101,7 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         with torch.no_grad():
             v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        kl = masked_mean(_per_sample_mean((v - v_ref.detach()) ** 2), w)
+        kl = masked_mean(per_sample_mean((v - v_ref.detach()) ** 2), w)
         loss = loss + ocfg.kl_coef * kl
         stats["kl"] = kl.detach()
     stats["loss"] = loss.detach()

@@ -10,7 +10,12 @@ and, if needed, the old policy). :class:`Objective` says which data it trains on
 * ``clean_samples``: the final clean latents, noised afresh at any step (the forward
   process, DiffusionNFT): no log-probs, any sampler, every step trainable.
 
-``needs_old_policy`` asks the trainer for an EMA old policy (DiffusionNFT's v_old).
+``needs_old_policy`` asks the trainer for an EMA old policy (DiffusionNFT's v_old, AWM's
+EMA anchor). ``whole_groups`` asks for passes that hold whole prompt groups, noised with
+one draw per group (DGPO's group-level preference needs every member at once).
+``strategies`` lists what the objective supports among independent rollouts, trees and
+Sol-RL's regenerated subsets ("solrl"); a clean-sample objective trains a tree's leaves,
+grouped by tree (the tree's per-node credit is then unused).
 """
 
 from __future__ import annotations
@@ -41,6 +46,16 @@ class StepBatch:
     weights: torch.Tensor | None = None  # (B,) 1 = train on the sample, 0 = masked out
     noise_level: float | None = None  # the step rule's noise level at this step (None: the context's)
     x0: torch.Tensor | None = None  # clean final latents (forward-process objectives: DiffusionNFT)
+    old_mean: torch.Tensor | None = None  # the rollout's transition mean of x_t -> x_next
+    groups: torch.Tensor | None = None  # (B,) long: rows with the same value share a prompt group
+    forward_noise: torch.Tensor | None = (
+        None  # the eps of x_t = (1 - sigma) x0 + sigma eps (clean-sample objectives)
+    )
+
+
+def per_sample_mean(x: torch.Tensor) -> torch.Tensor:
+    """(B, ...) -> (B,): the mean over every dimension but the batch."""
+    return x.flatten(1).mean(1)
 
 
 def masked_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -70,6 +85,8 @@ class Objective:
     loss: Callable  # (LossContext, StepBatch) -> (loss, stats)
     trains_on: Literal["transitions", "clean_samples"] = "transitions"
     needs_old_policy: bool = False
+    whole_groups: bool = False
+    strategies: tuple[str, ...] = ("independent", "tree", "solrl")
 
     @property
     def forward_process(self) -> bool:

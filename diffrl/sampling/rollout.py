@@ -65,6 +65,10 @@ class Trajectory:
             [int(i) for i in ix.tolist()],
         )
 
+    def old_means(self, rows, t: int) -> torch.Tensor:
+        """The rollout's transition means of samples ``rows`` at step t."""
+        return self.means[torch.as_tensor(rows), t]
+
     def select(self, index) -> Trajectory:
         idx = torch.as_tensor(index, dtype=torch.long)
         out = {}

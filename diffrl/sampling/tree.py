@@ -223,6 +223,10 @@ class TreeTrajectory:
         cond_rows = [self.cond_rows[k] for k in self.tree[ix].tolist()]
         return self.latents[self.parent[ix]], self.latents[ix], self.log_probs[ix], cond_rows
 
+    def old_means(self, rows, t: int) -> torch.Tensor:
+        """The rollout's transition means of the edges into nodes ``rows``."""
+        return self.means[torch.as_tensor(rows)]
+
 
 def trees_from_keys(keys, leaves: int) -> tuple[list[tuple], list[int]]:
     """Group per-leaf keys ``(*root, leaf)`` into trees; each tree must list its leaves

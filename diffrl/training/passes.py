@@ -121,6 +121,19 @@ def train_timesteps(trainable: list[int], fraction: float, *key, round_up: bool 
     return sorted(trainable[i] for i in perm.tolist())
 
 
+def _shuffled(n: int, groups: torch.Tensor | None, generator: torch.Generator) -> list[int]:
+    """A keyed permutation of ``n`` samples; with ``groups``, of the groups, members kept
+    together in their order."""
+    if groups is None:
+        return torch.randperm(n, generator=generator).tolist()
+    distinct = torch.unique(groups)
+    return [
+        i
+        for g in distinct[torch.randperm(len(distinct), generator=generator)].tolist()
+        for i in torch.nonzero(groups == g).flatten().tolist()
+    ]
+
+
 def sample_major(
     n: int,
     trainable: list[int],
@@ -129,15 +142,18 @@ def sample_major(
     epoch: int,
     anchored: list[int] = (),
     keep: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
 ) -> list[list[Pass]]:
     """Micro-batches of samples, each trained on a keyed subset of ``trainable`` steps.
     With ``anchored`` steps, each micro-batch also gets anchor passes on a keyed subset
     of them (``objective.anchor_fraction``); policy and anchor passes are normalised
     separately, so anchoring never rescales the policy loss. ``keep`` (per sample) marks
-    the samples whose loss counts; the others are forwarded with weight 0."""
+    the samples whose loss counts; the others are forwarded with weight 0. With
+    ``groups`` (per sample), whole groups are shuffled instead of samples, so a
+    micro-batch of a multiple of the group size holds whole groups."""
     s = PassSettings.of(cfg)
     mb, accum = s.micro_batch_size, s.gradient_accumulation
-    order = torch.randperm(n, generator=rng.generator(s.seed, "shuffle", step, epoch)).tolist()
+    order = _shuffled(n, groups, rng.generator(s.seed, "shuffle", step, epoch))
     batches = [order[i : i + mb] for i in range(0, n, mb)]
     anchored = list(anchored)
     groups = []

@@ -90,14 +90,18 @@ def _trains_clean_samples(cfg) -> bool:
 
 
 def _check_whole_groups(cfg, num_processes: int) -> None:
-    if not (cfg.solrl.enabled or cfg.rollout.strategy == "tree"):
+    from diffrl.algorithms import get_objective
+
+    grouped = get_objective(cfg.objective.name).whole_groups
+    if not (cfg.solrl.enabled or cfg.rollout.strategy == "tree" or grouped):
         return
     if cfg.rollout.prompts_per_step % num_processes:
-        whole = (
-            "Sol-RL selects within each prompt's pool"
-            if cfg.solrl.enabled
-            else "rollout.strategy tree keeps each prompt's tree"
-        )
+        if cfg.solrl.enabled:
+            whole = "Sol-RL selects within each prompt's pool"
+        elif cfg.rollout.strategy == "tree":
+            whole = "rollout.strategy tree keeps each prompt's tree"
+        else:
+            whole = f"objective {cfg.objective.name} compares each prompt's whole group"
         raise ConfigError(
             f"{whole} on one process: make rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) "
             f"divisible by the {num_processes} processes"

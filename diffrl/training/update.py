@@ -65,6 +65,15 @@ class UpdateCounters:
         self.__dict__.update(state)
 
 
+def _prompt_groups(traj, rows) -> torch.Tensor:
+    """Per row, a number shared by the rows of one prompt group: a tree's index for tree
+    nodes, else the sample key without its sample index (seed, iteration, prompt)."""
+    if hasattr(traj, "tree"):
+        return traj.tree[torch.as_tensor(rows)].long()
+    ids: dict[tuple, int] = {}
+    return torch.tensor([ids.setdefault(tuple(traj.keys[i][:-1]), len(ids)) for i in rows])
+
+
 def _any_process(accelerator, flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)
@@ -92,6 +101,7 @@ class Updater:
         self.settings = UpdateSettings.of(settings)
         self.counters, self.ema, self.old_policy = counters, ema, old_policy
         self.forward_process = objective.forward_process
+        self.whole_groups = objective.whole_groups  # passes of whole groups, one noise per group
         self.after_step: list = []  # called after every applied optimizer step (Sol-RL marks its copy stale)
 
     def loss_context(self) -> LossContext:
@@ -133,7 +143,7 @@ class Updater:
         advantages, keep, train = credit.advantages, credit.keep, credit.edges
         if train is None:
             # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
-            trainable = list(range(traj.num_steps)) if self.forward_process else traj.trainable_steps()
+            trainable = self._forward_steps(traj) if self.forward_process else traj.trainable_steps()
             if not trainable:
                 raise ValueError(
                     "no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty"
@@ -144,8 +154,10 @@ class Updater:
                 else []
             )
 
+            whole = _prompt_groups(traj, range(len(traj.keys))) if self.whole_groups else None
+
             def plan(epoch):
-                return sample_major(len(traj.keys), trainable, s.passes, step, epoch, anchored, keep)
+                return sample_major(len(traj.keys), trainable, s.passes, step, epoch, anchored, keep, whole)
         else:
             # everything pruned on every process: nothing to update. Asked of all processes
             # (a collective): one with no edges of its own still runs the padded passes
@@ -166,6 +178,13 @@ class Updater:
             for passes in plan(epoch):
                 self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
         return {k: sum(v) / len(v) for k, v in totals.items()}
+
+    def _forward_steps(self, traj) -> list[int]:
+        """A clean-sample objective may noise x0 to any step's sigma; ``objective.
+        forward_window`` [start, end) narrows them (DGPO trains the high-noise steps)."""
+        window = self.settings.objective.forward_window
+        start, end = window if window else (0, traj.num_steps)
+        return list(range(start, min(end, traj.num_steps)))
 
     def _common_edge_counts(self, train, traj) -> dict[int, int] | None:
         """Per-step edge counts, the maximum over processes: trees of different shapes
@@ -242,14 +261,18 @@ class Updater:
             cond=cond.select(cond_rows),
             weights=p.row_weights().to(device),
             noise_level=traj.noise_levels[t] if traj.noise_levels else None,
+            old_mean=traj.old_means(p.rows, t).to(device),
+            groups=_prompt_groups(traj, p.rows).to(device),
         )
 
     def _forward_noised(self, batch: StepBatch, traj, p: Pass, epoch: int) -> StepBatch:
-        """DiffusionNFT's input: x_t = (1 - sigma_t) x0 + sigma_t eps with fresh noise keyed
-        by (sample key, epoch, t), so a resumed run draws the same noise."""
+        """A clean-sample objective's input: x_t = (1 - sigma_t) x0 + sigma_t eps with fresh
+        noise keyed by (sample key, epoch, t), so a resumed run draws the same noise."""
         x0 = traj.latents[torch.as_tensor(p.rows), -1].to(batch.x_t.device)
         keys = [traj.keys[i] for i in p.rows]
+        if self.whole_groups:  # one draw per prompt group, shared by its members (DGPO)
+            keys = [tuple(k[:-1]) for k in keys]
         eps = rng.randn_batch(x0.shape[1:], keys, "nft", epoch, p.t).to(x0.device)
         sigma = batch.sigma.to(x0.device)
-        batch.x0, batch.x_t = x0, (1 - sigma) * x0 + sigma * eps
+        batch.x0, batch.x_t, batch.forward_noise = x0, (1 - sigma) * x0 + sigma * eps, eps
         return batch

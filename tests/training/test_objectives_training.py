@@ -1,0 +1,100 @@
+"""The objectives added after flow-GRPO and DiffusionNFT (GRPO-Guard, Flow-DPPO, AWM,
+DGPO) in the loop: two iterations on a tiny twin with independent rollouts, trees and
+Sol-RL's regenerated subsets; AWM's EMA anchor resumed exactly; DGPO's passes of whole
+groups; and one clear start-up error for each unsupported combination."""
+
+import pytest
+import torch
+
+from diffrl.config import ConfigError, load_config
+from diffrl.training.passes import sample_major
+from diffrl.training.plan import derive
+from diffrl.training.trainer import Trainer
+from tests.helpers import fit_until_killed, quick_config
+
+STRATEGIES = {
+    "independent": ("tiny_flux_flowgrpo", ()),
+    "tree": ("tiny_flux_branchgrpo", ("tree.width_pruning=none",)),
+    "solrl": ("tiny_flux_solrl", ()),
+}
+OWN_STATS = {
+    "grpo_guard": "clipfrac",
+    "flow_dppo": "dppo/masked",
+    "awm": "awm/fm_error",
+    "dgpo": "dgpo/group_weight",
+}
+# DGPO's micro-batches hold whole groups (tiny configs: groups of 4, trees of 8 leaves)
+EXTRA = {"dgpo": ("train.micro_batch_size=8",), "grpo_guard": ("objective.clip_range=1e-3",)}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("objective", list(OWN_STATS))
+def test_two_iterations_train_and_log_the_objectives_statistics(objective, strategy, tmp_path):
+    name, overrides = STRATEGIES[strategy]
+    cfg = quick_config(name, tmp_path, f"objective.name={objective}", *overrides, *EXTRA.get(objective, ()))
+    trainer = Trainer(cfg)
+    start = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
+    history = trainer.fit()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    assert trainer.counters.optimizer_steps >= 2 and trainer.counters.skipped_nonfinite_loss == 0
+    moved = [not torch.equal(a, b) for a, b in zip(start, trainer.policy.trainable_parameters())]
+    assert any(moved)
+    assert OWN_STATS[objective] in history[-1]
+
+
+def test_awm_resumes_with_the_same_policy_and_ema_anchor(tmp_path):
+    overrides = ("train.max_steps=4", "checkpoint.every=2", "objective.name=awm")
+    overrides += ("objective.nft_old_decay_rate=0.1",)  # a decay that moves within 4 iterations
+    full = Trainer(quick_config("tiny_flux_flowgrpo", tmp_path / "full", *overrides))
+    full.fit()
+    killed = Trainer(quick_config("tiny_flux_flowgrpo", tmp_path / "killed", *overrides))
+    fit_until_killed(killed, 2)
+    resumed = Trainer(quick_config("tiny_flux_flowgrpo", tmp_path / "killed", *overrides))
+    resumed.resume("latest")
+    resumed.fit()
+    for a, b in zip(full.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(full.old_policy.shadow, resumed.old_policy.shadow):
+        assert torch.equal(a, b)
+    assert any(
+        not torch.equal(s, p.float())
+        for s, p in zip(full.old_policy.shadow, full.policy.trainable_parameters())
+    )
+
+
+def test_whole_group_plan_keeps_each_group_in_one_micro_batch():
+    cfg = load_config("toy_dgpo")  # micro-batches of 64 = 4 groups of 16
+    groups = torch.arange(256) // 16
+    plan = sample_major(256, [0, 1, 2, 3], cfg, step=3, epoch=1, groups=groups)
+    seen = set()
+    for passes in plan:
+        for p in passes:
+            members = groups[torch.as_tensor(p.rows)]
+            assert all(int((members == g).sum()) == 16 for g in members.unique())
+            seen |= set(p.rows)
+    assert seen == set(range(256))
+    again = sample_major(256, [0, 1, 2, 3], cfg, step=4, epoch=1, groups=groups)
+    assert [p.rows for p in plan[0]] != [p.rows for p in again[0]]  # groups are reshuffled
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["objective.name=dgpo", "train.micro_batch_size=6"], "a multiple of rollout.group_size"),
+        (["objective.name=grpo_guard", "objective.logprob_reduction=sum"], "logprob_reduction mean"),
+        (["objective.forward_window=[0, 4]"], "applies to clean-sample objectives"),
+        (["objective.name=awm", "objective.forward_window=[3, 99]"], "forward_window must be"),
+        (["objective.name=dgpo", "objective.dgpo_beta=0"], "objective.dgpo_beta must be > 0"),
+        (["objective.name=flow_dppo", "objective.dppo_kl_threshold=-1"], "dppo_kl_threshold must be > 0"),
+    ],
+)
+def test_unsupported_combinations_fail_at_start_with_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_flux_flowgrpo", overrides)
+
+
+def test_dgpo_needs_whole_groups_on_every_process():
+    cfg = load_config("tiny_flux_flowgrpo", ["objective.name=dgpo", "rollout.prompts_per_step=3"])
+    with pytest.raises(ConfigError, match="compares each prompt's whole group"):
+        derive(cfg, num_processes=2)
+    derive(load_config("tiny_flux_flowgrpo", ["rollout.prompts_per_step=3"]), num_processes=2)
