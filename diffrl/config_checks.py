@@ -153,7 +153,10 @@ def _check_objective(cfg) -> None:
     from diffrl.algorithms import get_objective
 
     obj = cfg.objective
-    objective = get_objective(obj.name)
+    try:
+        objective = get_objective(obj.name)
+    except ValueError as err:  # the registry's message names the valid ones and the nearest
+        raise ConfigError(f"objective.name: {err}") from None
     used = [cfg.rollout.strategy] + (["solrl"] if cfg.solrl.enabled else [])
     for strategy in used:
         if strategy not in objective.strategies:

@@ -315,3 +315,105 @@ def test_fp8_exact_tie_rounds_to_even_like_modelopts_fake_quantizer():
     # modelopt's export path divides by an fp32 amax / 448 first: the tie moves, 352 wins
     export = tensor(case["modelopt_export"]["fp8_values_hex"])
     assert export[0].item() == -352.0 and codes[0].item() == -320.0
+
+
+# --------------------------------------------------------------- GRPO-Guard, Flow-DPPO, AWM, DGPO
+
+NEW = load("new_objectives.json")
+
+
+def _objective_cfg(**kw):
+    base = dict(clip_range=0.2, adv_clip_max=5.0, kl_coef=0.0, kl_type="exact", logprob_reduction="mean")
+    base.update(dict(dppo_kl_threshold=1e-5, awm_huber_power=0.25, awm_advantage_max=1.0, awm_ema_beta=0.0))
+    return SimpleNamespace(**{**base, "dgpo_beta": 10.0, **kw})
+
+
+def _transition_batch():
+    """The fixture's SDE transition, taken under v_old, as a StepBatch."""
+    from diffrl.algorithms.objective import StepBatch
+    from diffrl.models.base import Conditioning
+
+    i = NEW["inputs"]
+    x, v_old, eps = (tensor(i[k]).float() for k in ("x", "v_old", "eps"))
+    taken = step(
+        "sde", x, v_old, i["sigma"], i["sigma_next"], i["noise_level"], sigma_1=i["sigma_1"], noise=eps
+    )
+    batch = StepBatch(
+        x_t=x,
+        x_next=taken.next_latents,
+        sigma=torch.tensor(i["sigma"]),
+        sigma_next=torch.tensor(i["sigma_next"]),
+        sigma_1=i["sigma_1"],
+        kind="sde",
+        old_log_prob=taken.log_prob,
+        advantages=tensor(i["advantages"]).float(),
+        cond=Conditioning({"e": torch.zeros(len(x), 1)}),
+        old_mean=taken.mean,
+    )
+    return batch, tensor(i["v_new"]).float(), i["noise_level"]
+
+
+@pytest.mark.parametrize("case", NEW["grpo_guard"]["cases"], ids=lambda c: f"clip{c['clip_range']}")
+def test_grpo_guard_loss_matches_verl_omni(case):
+    from diffrl.algorithms import get_objective
+    from diffrl.algorithms.objective import LossContext
+
+    batch, v_new, level = _transition_batch()
+    ctx = LossContext(lambda *_: v_new, None, _objective_cfg(clip_range=case["clip_range"]), level)
+    loss, _ = get_objective("grpo_guard")(ctx, batch)
+    # theirs ran in float64 on our fp32 log-probs and means; ours is fp32 end to end
+    assert loss.item() == pytest.approx(case["loss"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("case", NEW["flow_dppo"]["cases"], ids=lambda c: f"tau{c['threshold']}")
+def test_flow_dppo_loss_matches_unirl(case):
+    from diffrl.algorithms import get_objective
+    from diffrl.algorithms.objective import LossContext
+
+    batch, v_new, level = _transition_batch()
+    ctx = LossContext(lambda *_: v_new, None, _objective_cfg(dppo_kl_threshold=case["threshold"]), level)
+    loss, stats = get_objective("flow_dppo")(ctx, batch)
+    assert loss.item() == pytest.approx(case["loss"], rel=1e-5, abs=1e-8)
+
+
+@pytest.mark.parametrize("case", NEW["awm"]["cases"], ids=lambda c: f"t{c['t']}-p{c['power']}")
+def test_awm_surrogate_log_likelihood_matches_the_reference(case):
+    from diffrl.algorithms.awm import huber_log_likelihood
+    from diffrl.algorithms.objective import per_sample_mean
+
+    i = NEW["awm"]["inputs"]
+    x0, noise, v = tensor(i["x0"]), tensor(i["noise"]), tensor(i["v"])
+    error = per_sample_mean((v - (noise - x0)) ** 2)
+    ours = huber_log_likelihood(error, torch.tensor(case["t"], dtype=torch.float64), case["power"])
+    # the reference's timestep is float32 (0.9 is not exact): relative 1e-7
+    torch.testing.assert_close(ours, tensor(case["log_prob"]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("case", NEW["dgpo"]["cases"], ids=lambda c: f"beta{c['beta']}")
+def test_dgpo_loss_and_gradient_match_the_reference(case):
+    from diffrl.algorithms import get_objective
+    from diffrl.algorithms.objective import LossContext, StepBatch
+
+    i = NEW["dgpo"]["inputs"]
+    target, v_ref = tensor(i["target_v"]), tensor(i["ref_v"])
+    v = tensor(i["model_v"]).requires_grad_(True)
+    x0 = torch.zeros_like(target)  # target = eps - x0 with x0 = 0: eps is the target
+    batch = StepBatch(
+        x_t=target,
+        x_next=target,
+        sigma=torch.tensor(0.5),
+        sigma_next=torch.tensor(0.5),
+        sigma_1=None,
+        kind="ode",
+        old_log_prob=torch.zeros(6),
+        advantages=tensor(i["advantages"]),
+        cond=None,
+        x0=x0,
+        forward_noise=target,
+        groups=torch.tensor(i["groups"]),
+    )
+    ctx = LossContext(lambda *_: v, lambda *_: v_ref, _objective_cfg(dgpo_beta=case["beta"]), 0.7)
+    loss, _ = get_objective("dgpo")(ctx, batch)
+    loss.backward()
+    assert loss.item() == pytest.approx(case["loss"], rel=1e-10)
+    torch.testing.assert_close(v.grad, tensor(case["grad_model_v"]), rtol=1e-9, atol=1e-15)

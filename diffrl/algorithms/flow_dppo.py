@@ -51,13 +51,14 @@ def flow_dppo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     ratio = torch.exp(log_ratio)
     divergence = gaussian_kl(new.mean.detach(), batch.old_mean, new.std, new.std_t, "exact", "mean")
     adv = batch.advantages
-    keep = divergence_mask(divergence, ratio.detach(), adv, ocfg.dppo_kl_threshold).to(ratio.dtype)
+    keep = divergence_mask(divergence, ratio.detach(), adv, ocfg.dppo_kl_threshold)
     w = batch.weights
-    policy_loss = masked_mean(-adv * ratio * keep, w)
+    # where, not a product: an overflowing ratio times a zero mask would be NaN
+    policy_loss = masked_mean(torch.where(keep, -adv * ratio, torch.zeros_like(ratio)), w)
     stats = {
         "policy_loss": policy_loss.detach(),
         "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, w),
-        "dppo/masked": masked_mean(1 - keep, w),
+        "dppo/masked": masked_mean((~keep).float(), w),
         "dppo/divergence": masked_mean(divergence, w),
         "ratio": masked_mean(ratio.detach(), w),
     }

@@ -80,6 +80,7 @@ def test_whole_group_plan_keeps_each_group_in_one_micro_batch():
 @pytest.mark.parametrize(
     "overrides,message",
     [
+        (["objective.name=awn"], "objective.name=awn: unknown objective 'awn'. Did you mean 'awm'"),
         (["objective.name=dgpo", "train.micro_batch_size=6"], "a multiple of rollout.group_size"),
         (["objective.name=grpo_guard", "objective.logprob_reduction=sum"], "logprob_reduction mean"),
         (["objective.forward_window=[0, 4]"], "applies to clean-sample objectives"),
@@ -98,3 +99,15 @@ def test_dgpo_needs_whole_groups_on_every_process():
     with pytest.raises(ConfigError, match="compares each prompt's whole group"):
         derive(cfg, num_processes=2)
     derive(load_config("tiny_flux_flowgrpo", ["rollout.prompts_per_step=3"]), num_processes=2)
+
+
+def test_prompt_groups_follow_the_keys_and_the_trees():
+    from types import SimpleNamespace
+
+    from diffrl.training.update import _prompt_groups
+
+    keys = [(0, 5, 2, 0), (0, 5, 7, 0), (0, 5, 2, 1), (0, 5, 7, 1), (0, 5, 9, 0)]
+    groups = _prompt_groups(SimpleNamespace(keys=keys), [0, 1, 2, 3, 4])
+    assert groups.tolist() == [0, 1, 0, 1, 2]  # prompt 2, prompt 7, prompt 9
+    tree = SimpleNamespace(keys=keys, tree=torch.tensor([0, 0, 1, 1, 1, 2]))
+    assert _prompt_groups(tree, [5, 2, 0]).tolist() == [2, 1, 0]
