@@ -41,9 +41,11 @@ from diffrl.algorithms.objective import (
     LossContext,
     Objective,
     StepBatch,
+    add_penalty,
     masked_mean,
     per_sample_mean,
     register_objective,
+    velocity_gap,
 )
 
 
@@ -81,15 +83,11 @@ def awm_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     stats = {"policy_loss": policy_loss.detach(), "awm/fm_error": masked_mean(error.detach(), w)}
     loss = policy_loss
     if v_ema is not None:
-        ema_kl = masked_mean(per_sample_mean((v - v_ema) ** 2), w)
-        loss = loss + ocfg.awm_ema_beta * ema_kl
-        stats["awm/ema_kl"] = ema_kl.detach()
+        loss = add_penalty(loss, stats, "awm/ema_kl", velocity_gap(v, v_ema, w), ocfg.awm_ema_beta)
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         with torch.no_grad():
             v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        kl = masked_mean(per_sample_mean((v - v_ref.detach()) ** 2), w)
-        loss = loss + ocfg.kl_coef * kl
-        stats["kl"] = kl.detach()
+        loss = add_penalty(loss, stats, "kl", velocity_gap(v, v_ref, w), ocfg.kl_coef)
     stats["loss"] = loss.detach()
     return loss, stats
 

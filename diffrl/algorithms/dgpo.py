@@ -47,9 +47,11 @@ from diffrl.algorithms.objective import (
     LossContext,
     Objective,
     StepBatch,
+    add_penalty,
     masked_mean,
     per_sample_mean,
     register_objective,
+    velocity_gap,
 )
 
 
@@ -88,9 +90,7 @@ def dgpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[st
     }
     loss = policy_loss
     if ocfg.kl_coef > 0:
-        kl = masked_mean(per_sample_mean((v - v_ref) ** 2), batch.weights)
-        loss = loss + ocfg.kl_coef * kl
-        stats["kl"] = kl.detach()
+        loss = add_penalty(loss, stats, "kl", velocity_gap(v, v_ref, batch.weights), ocfg.kl_coef)
     stats["loss"] = loss.detach()
     return loss, stats
 

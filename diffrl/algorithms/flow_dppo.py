@@ -30,7 +30,14 @@ from __future__ import annotations
 import torch
 
 from diffrl.algorithms.flow_grpo import reference_kl, rescored
-from diffrl.algorithms.objective import LossContext, Objective, StepBatch, masked_mean, register_objective
+from diffrl.algorithms.objective import (
+    LossContext,
+    Objective,
+    StepBatch,
+    add_penalty,
+    masked_mean,
+    register_objective,
+)
 from diffrl.sampling.sde import gaussian_kl
 
 
@@ -64,9 +71,7 @@ def flow_dppo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     }
     loss = policy_loss
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
-        kl = reference_kl(ctx, batch, new, level)
-        loss = loss + ocfg.kl_coef * kl
-        stats["kl"] = kl.detach()
+        loss = add_penalty(loss, stats, "kl", reference_kl(ctx, batch, new, level), ocfg.kl_coef)
     stats["loss"] = loss.detach()
     return loss, stats
 

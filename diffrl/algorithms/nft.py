@@ -51,9 +51,11 @@ from diffrl.algorithms.objective import (
     LossContext,
     Objective,
     StepBatch,
+    add_penalty,
     masked_mean,
     per_sample_mean,
     register_objective,
+    velocity_gap,
 )
 
 
@@ -101,9 +103,7 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         with torch.no_grad():
             v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        kl = masked_mean(per_sample_mean((v - v_ref.detach()) ** 2), w)
-        loss = loss + ocfg.kl_coef * kl
-        stats["kl"] = kl.detach()
+        loss = add_penalty(loss, stats, "kl", velocity_gap(v, v_ref, w), ocfg.kl_coef)
     stats["loss"] = loss.detach()
     return loss, stats
 

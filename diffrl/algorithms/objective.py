@@ -66,6 +66,18 @@ def masked_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Ten
     return (values * weights).sum() / weights.sum().clamp(min=1.0)
 
 
+def velocity_gap(v: torch.Tensor, other: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """masked_mean over rows of mean_d (v - other)^2: the velocity-space penalties (the
+    reference KL of the clean-sample objectives, AWM's EMA anchor)."""
+    return masked_mean(per_sample_mean((v - other.detach()) ** 2), weights)
+
+
+def add_penalty(loss: torch.Tensor, stats: dict, key: str, value: torch.Tensor, coef: float) -> torch.Tensor:
+    """``loss + coef * value``, logging ``value`` as ``stats[key]``."""
+    stats[key] = value.detach()
+    return loss + coef * value
+
+
 @dataclass
 class LossContext:
     """What an objective may call: velocities of the policy (with grad) and reference."""
