@@ -52,9 +52,12 @@ def common_steps(group: list[list[dict]], key: str = HELDOUT) -> list[int]:
 
 def curve(group: list[list[dict]], key: str, x: str = "step", ratio_to_start: bool = False) -> list[tuple]:
     """(x mean, Spread) per common evaluation step; ``ratio_to_start`` divides each run's
-    value by its value at the first common step (step 0: the base)."""
+    value by its value at step 0 (the base), and gives no points for runs evaluated only
+    later (a ratio to a trained model's value would read as one to the base)."""
     runs = [eval_rows(rows) for rows in group]
     steps = common_steps(group)
+    if ratio_to_start and (not steps or steps[0] != 0):
+        return []
     out = []
     for step in steps:
         values = [evals[step].get(key) for evals in runs]

@@ -44,6 +44,15 @@ def test_curve_is_the_mean_and_sample_sd_over_seeds_at_common_steps():
     assert ratio.mean == pytest.approx(np.mean([2.0 / 1.0, 2.0 / 2.0, 1.5 / 1.0]))
 
 
+def test_no_ratio_to_the_base_without_a_step_0_evaluation():
+    """Runs evaluated first at step 10 have no base to divide by: no ratio points (and
+    '-' in the methods table) rather than a ratio to a trained model read as one to the base."""
+    group = [_rows([0.4, 0.5], [2.0, 3.0], steps=(10, 20))]
+    assert curve(group, DARKNESS, ratio_to_start=True) == []
+    assert len(curve(group, DARKNESS)) == 2
+    assert "| late | 1 | 10 | 10.0 | 0.400 | 0.020 | 0.410 | - | - |" in methods_table({"late": group})
+
+
 def test_report_groups_seeds_into_one_methods_table_and_plot(tmp_path):
     runs = {
         "a0": _rows([0.3, 0.4, 0.5], [1.0, 1.0, 1.1]),
