@@ -38,7 +38,17 @@ def test_every_registry_names_the_closest_name_and_all_valid_ones(lookup, typo, 
 
 
 def test_objectives_declare_what_they_train_on():
-    assert available_objectives() == ["flow_grpo", "nft"]
-    grpo, nft = get_objective("flow_grpo"), get_objective("nft")
-    assert (grpo.trains_on, grpo.needs_old_policy, grpo.forward_process) == ("transitions", False, False)
-    assert (nft.trains_on, nft.needs_old_policy, nft.forward_process) == ("clean_samples", True, True)
+    assert available_objectives() == ["awm", "dgpo", "flow_dppo", "flow_grpo", "grpo_guard", "nft"]
+    declared = {
+        name: (o.trains_on, o.needs_old_policy, o.forward_process, o.whole_groups)
+        for name in available_objectives()
+        for o in [get_objective(name)]
+    }
+    assert declared == {
+        "flow_grpo": ("transitions", False, False, False),
+        "grpo_guard": ("transitions", False, False, False),
+        "flow_dppo": ("transitions", False, False, False),
+        "nft": ("clean_samples", True, True, False),
+        "awm": ("clean_samples", True, True, False),  # its EMA anchor is the old policy
+        "dgpo": ("clean_samples", False, True, True),
+    }
