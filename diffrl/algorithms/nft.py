@@ -54,8 +54,8 @@ from diffrl.algorithms.objective import (
     add_penalty,
     masked_mean,
     per_sample_mean,
+    reference_velocity_gap,
     register_objective,
-    velocity_gap,
 )
 
 
@@ -101,9 +101,7 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     }
     loss = policy_loss
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
-        with torch.no_grad():
-            v_ref = ctx.reference_velocity(batch.x_t, sigma_b, batch.cond)
-        loss = add_penalty(loss, stats, "kl", velocity_gap(v, v_ref, w), ocfg.kl_coef)
+        loss = add_penalty(loss, stats, "kl", reference_velocity_gap(ctx, batch, v), ocfg.kl_coef)
     stats["loss"] = loss.detach()
     return loss, stats
 

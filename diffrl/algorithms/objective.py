@@ -72,6 +72,14 @@ def velocity_gap(v: torch.Tensor, other: torch.Tensor, weights: torch.Tensor | N
     return masked_mean(per_sample_mean((v - other.detach()) ** 2), weights)
 
 
+def reference_velocity_gap(ctx: LossContext, batch: StepBatch, v: torch.Tensor) -> torch.Tensor:
+    """velocity_gap of ``v`` to the reference's velocity on the same noised input (no
+    gradient through the reference): the clean-sample objectives' KL term."""
+    with torch.no_grad():
+        v_ref = ctx.reference_velocity(batch.x_t, batch.sigma.expand(batch.x_t.shape[0]), batch.cond)
+    return velocity_gap(v, v_ref, batch.weights)
+
+
 def add_penalty(loss: torch.Tensor, stats: dict, key: str, value: torch.Tensor, coef: float) -> torch.Tensor:
     """``loss + coef * value``, logging ``value`` as ``stats[key]``."""
     stats[key] = value.detach()

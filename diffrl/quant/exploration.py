@@ -119,6 +119,7 @@ class ExplorationCopy:
         self.precision, self.keep_high = precision, tuple(keep_high)
         self.model = _unwrapped_copy(transformer)
         self.layer_names = [n for n, m in self.model.named_modules() if isinstance(m, _WEIGHT_LAYERS)]
+        self._layer_set = set(self.layer_names)
         self.quantizable = [n for n in self.layer_names if is_quantizable(self.model.get_submodule(n))]
         self.quantized, self.kept = split_keep_high(self.quantizable, self.keep_high)
         self._quantized_set = set(self.quantized)
@@ -164,11 +165,12 @@ class ExplorationCopy:
         every process, so exploration runs no collectives, and the sync's extra memory is
         one block. Every process syncs at the same point of the loop."""
         source = dict(transformer.named_modules())
+        own = self.module.state_dict()
         for owns in units_gathered(transformer):
             for name in self.layer_names:
                 if owns(name):
                     self._sync_layer(name, source[name])
-            self._copy_other_tensors(transformer, owns)
+            self._copy_other_tensors(transformer, owns, own)
 
     def _sync_layer(self, name: str, source: nn.Module) -> None:
         target = self.module.get_submodule(name)
@@ -177,15 +179,13 @@ class ExplorationCopy:
         if bias is not None:
             target.bias.copy_(bias.to(target.bias.dtype))
 
-    def _copy_other_tensors(self, transformer: nn.Module, owns) -> None:
+    def _copy_other_tensors(self, transformer: nn.Module, owns, own: dict) -> None:
         """Everything but the weight layers (norms, embeddings, scale-shift tables), as
-        it is, for the modules ``owns`` accepts."""
-        own = self.module.state_dict()
-        layers = set(self.layer_names)
+        it is, into the copy's state ``own``, for the modules ``owns`` accepts."""
         tensors = [*transformer.named_parameters(), *transformer.named_buffers()]
         for key, value in tensors:
             key = key.replace(".base_layer.", ".")
             module = key.rpartition(".")[0]
-            if "lora_" in key or module in layers or key not in own or not owns(module):
+            if "lora_" in key or module in self._layer_set or key not in own or not owns(module):
                 continue
             own[key].copy_(value.detach())

@@ -12,6 +12,7 @@ are plain copies.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -128,9 +129,11 @@ def units_gathered(module: torch.nn.Module) -> Iterator[Callable[[str], bool]]:
             yield lambda _name: True
         return
     prefixes = list(units)
+    # each name's owner, found once: the sync asks about every name once per unit
+    owner = functools.lru_cache(maxsize=None)(lambda name: _owner(name, prefixes))
     for prefix, unit in units.items():
         with _gathered(unit):
-            yield lambda name, prefix=prefix: _owner(name, prefixes) == prefix
+            yield lambda name, prefix=prefix: owner(name) == prefix
 
 
 def max_over_processes(accelerator, counts: list[int]) -> list[int]:

@@ -261,8 +261,10 @@ class Updater:
             cond=cond.select(cond_rows),
             weights=p.row_weights().to(device),
             noise_level=traj.noise_levels[t] if traj.noise_levels else None,
-            old_mean=traj.old_means(p.rows, t).to(device),
-            groups=_prompt_groups(traj, p.rows).to(device),
+            # only what some objective of this kind reads: transition means for the
+            # transition objectives, group ids for the whole-group ones (DGPO)
+            old_mean=None if self.forward_process else traj.old_means(p.rows, t).to(device),
+            groups=_prompt_groups(traj, p.rows).to(device) if self.whole_groups else None,
         )
 
     def _forward_noised(self, batch: StepBatch, traj, p: Pass, epoch: int) -> StepBatch:

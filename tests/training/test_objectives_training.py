@@ -111,3 +111,19 @@ def test_prompt_groups_follow_the_keys_and_the_trees():
     assert groups.tolist() == [0, 1, 0, 1, 2]  # prompt 2, prompt 7, prompt 9
     tree = SimpleNamespace(keys=keys, tree=torch.tensor([0, 0, 1, 1, 1, 2]))
     assert _prompt_groups(tree, [5, 2, 0]).tolist() == [2, 1, 0]
+
+
+def test_an_objective_refuses_the_strategies_it_does_not_declare():
+    from diffrl.algorithms.flow_grpo import flow_grpo_loss
+    from diffrl.algorithms.objective import OBJECTIVES, Objective, register_objective
+
+    register_objective(Objective("independent_only", flow_grpo_loss, strategies=("independent",)))
+    try:
+        load_config("tiny_flux_flowgrpo", ["objective.name=independent_only"])  # supported
+        with pytest.raises(ConfigError, match="does not support tree rollouts; it supports independent"):
+            load_config("tiny_flux_branchgrpo", ["objective.name=independent_only"])
+        with pytest.raises(ConfigError, match="does not support solrl rollouts"):
+            independent_pool = ["objective.name=independent_only", "rollout.strategy=independent"]
+            load_config("tiny_flux_solrl", independent_pool)
+    finally:
+        OBJECTIVES.unregister("independent_only")
