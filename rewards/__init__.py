@@ -20,6 +20,7 @@ _FACTORIES: dict[str, str] = {
     "jpeg_compressibility": "rewards.jpeg:JpegCompressibility",
     "jpeg_incompressibility": "rewards.jpeg:JpegIncompressibility",
     "shapeworld": "rewards.shapeworld:ShapeWorldVerifier",
+    "shapeworld_edit": "rewards.shapeworld.editing:ShapeWorldEditVerifier",
     "hpsv2": "rewards.hps:HPSv2",
     "hpsv21": "rewards.hps:HPSv21",
     "imagereward": "rewards.imagereward:ImageReward",

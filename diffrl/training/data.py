@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from diffrl.sampling import rng
+from rewards.prompts import EditPrompt
 
 
 class PromptFileError(ValueError):
@@ -37,8 +38,12 @@ def resolve_prompt_path(path: str | Path) -> Path:
 
 def load_prompts(path: str | Path) -> list[str]:
     """Read prompts from ``.txt`` (one per line, blank lines and ``#`` comments skipped)
-    or ``.jsonl`` (one object per line with a string ``prompt`` field). A relative path
-    is looked up from the working directory, then from the project root."""
+    or ``.jsonl`` (one object per line with a string ``prompt`` field and, for editing
+    runs, an optional string ``image`` field: the input image's path, relative to the
+    prompt file's folder unless absolute). Lines with an image become
+    :class:`~rewards.prompts.EditPrompt`; a file mixing lines with and without one is
+    refused. A relative path is looked up from the working directory, then from the
+    project root."""
     given = path
     path = resolve_prompt_path(path)
     if not path.is_file():
@@ -63,7 +68,34 @@ def load_prompts(path: str | Path) -> list[str]:
             prompts.append(line)
     if not prompts:
         raise PromptFileError(f"prompt file '{path}' has no prompts")
+    with_image = sum(isinstance(p, EditPrompt) for p in prompts)
+    if 0 < with_image < len(prompts):
+        raise PromptFileError(
+            f"prompt file '{path}': {with_image} of {len(prompts)} prompts have an 'image' and the "
+            "rest do not; an editing run needs an image on every line, a text-to-image run on none"
+        )
     return prompts
+
+
+def check_image_column(prompts: list[str], path, family: str) -> None:
+    """An editing family (``FlowAdapter.edits_images``) needs an input image on every
+    prompt, and a text-to-image family would silently ignore them: refuse both."""
+    from diffrl.models import adapter_class
+
+    if not prompts:  # no evaluation
+        return
+    edits = adapter_class(family).edits_images
+    with_image = isinstance(prompts[0], EditPrompt)
+    if edits and not with_image:
+        raise PromptFileError(
+            f"model family '{family}' edits images, but prompt file '{path}' has no 'image' column; "
+            'use a .jsonl file with lines like {"prompt": "make the red circle blue", "image": "in/0.png"}'
+        )
+    if with_image and not edits:
+        raise PromptFileError(
+            f"prompt file '{path}' gives input images, but model family '{family}' generates from text "
+            "only and would ignore them; use an editing family (flux_kontext) or a file without 'image'"
+        )
 
 
 def _jsonl_prompt(path: Path, lineno: int, line: str) -> str:
@@ -73,7 +105,19 @@ def _jsonl_prompt(path: Path, lineno: int, line: str) -> str:
         raise PromptFileError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
         raise PromptFileError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
-    return obj["prompt"]
+    image = obj.get("image")
+    if image is None:
+        return obj["prompt"]
+    if not isinstance(image, str) or not image:
+        raise PromptFileError(f"{path}:{lineno}: 'image' must be a file path string, got {image!r}")
+    image_path = Path(image).expanduser()
+    image_path = image_path if image_path.is_absolute() else path.parent / image_path
+    if not image_path.is_file():
+        raise PromptFileError(
+            f"{path}:{lineno}: input image '{image}' does not exist (looked for {image_path}); "
+            "image paths are relative to the prompt file's folder"
+        )
+    return EditPrompt(obj["prompt"], image_path.resolve())
 
 
 @dataclass

@@ -81,3 +81,81 @@ def test_the_installed_entry_points_run_the_cli():
 
     # the console script the package installs points at the same function
     assert 'diffrl-train = "diffrl.train:entry"' in (PROJECT_ROOT / "pyproject.toml").read_text()
+
+
+# ----------------------------------------------------------------------------- editing prompts
+
+
+def _edit_file(tmp_path, lines: str):
+    from PIL import Image
+
+    (tmp_path / "in").mkdir(exist_ok=True)
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(tmp_path / "in" / "a.png")
+    (tmp_path / "e.jsonl").write_text(lines)
+    return tmp_path / "e.jsonl"
+
+
+def test_jsonl_image_column_gives_edit_prompts_relative_to_the_file(tmp_path, monkeypatch):
+    import pickle
+
+    from rewards.prompts import EditPrompt
+
+    path = _edit_file(
+        tmp_path, '{"prompt": "make it blue", "image": "in/a.png"}\n{"prompt": "x", "image": "in/a.png"}\n'
+    )
+    monkeypatch.chdir("/")  # image paths do not depend on the working directory
+    prompts = load_prompts(path)
+    assert prompts == [
+        EditPrompt("make it blue", tmp_path / "in" / "a.png"),
+        EditPrompt("x", tmp_path / "in" / "a.png"),
+    ]
+    first = prompts[0]
+    assert (
+        str(first) == "make it blue"
+        and first != "make it blue"
+        and first.image == str((tmp_path / "in" / "a.png").resolve())
+    )
+    # the same instruction on another image is another prompt (the conditioning cache key)
+    other = EditPrompt("make it blue", tmp_path / "other.png")
+    assert other != first and len({first, other}) == 2
+    assert pickle.loads(pickle.dumps(first)) == first  # survives gather_object
+
+
+@pytest.mark.parametrize(
+    "lines,match",
+    [
+        (
+            '{"prompt": "x", "image": "in/missing.png"}\n',
+            r"e\.jsonl:1: input image 'in/missing.png' does not exist",
+        ),
+        ('{"prompt": "x", "image": 3}\n', r"e\.jsonl:1: 'image' must be a file path"),
+        ('{"prompt": "x", "image": "in/a.png"}\n{"prompt": "y"}\n', "1 of 2 prompts have an 'image'"),
+    ],
+)
+def test_bad_image_columns_are_named(tmp_path, lines, match):
+    with pytest.raises(PromptFileError, match=match):
+        load_prompts(_edit_file(tmp_path, lines))
+
+
+def test_editing_families_need_images_and_the_others_refuse_them(tmp_path):
+    from diffrl.training.data import check_image_column
+
+    edits = load_prompts(_edit_file(tmp_path, '{"prompt": "x", "image": "in/a.png"}\n'))
+    check_image_column(edits, "e.jsonl", "flux_kontext")
+    check_image_column(["a cat"], "p.txt", "flux")
+    with pytest.raises(
+        PromptFileError, match="'flux_kontext' edits images, but prompt file 'p.txt' has no 'image'"
+    ):
+        check_image_column(["a cat"], "p.txt", "flux_kontext")
+    with pytest.raises(PromptFileError, match="'flux' generates from text only and would ignore them"):
+        check_image_column(edits, "e.jsonl", "flux")
+
+
+def test_unreadable_input_image_is_one_clear_error(tmp_path):
+    from rewards.prompts import ImageFileError, load_image
+
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    with pytest.raises(ImageFileError, match="bad.png' cannot be decoded"):
+        load_image(tmp_path / "bad.png")
+    image = load_image(_edit_file(tmp_path, "").parent / "in" / "a.png", size=(4, 6))
+    assert image.shape == (3, 4, 6) and torch.allclose(image[0], torch.ones(4, 6))
