@@ -21,6 +21,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rewards.combine import RewardPromptError
     from rewards.imagereward import ImageRewardCheckpointError, ImageRewardFilesMissing
     from rewards.images import RewardInputError
+    from rewards.prompts import ImageFileError
 
     return (
         ConfigError,
@@ -35,6 +36,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ImageRewardCheckpointError,
         CompareError,
         TrainingStalledError,
+        ImageFileError,
         RewardArgsError,
     )
 
@@ -137,13 +139,15 @@ def _interrupted_message(cfg) -> str:
 def _check_inputs(cfg) -> None:
     """What a real start checks before loading weights: reward names and argument names,
     and the prompt files (for ``--dry-run``)."""
-    from diffrl.training.data import load_prompts
+    from diffrl.training.data import check_image_column, load_prompts
     from rewards.combine import check_reward_specs
 
     check_reward_specs(cfg.rewards)
-    load_prompts(cfg.data.train_prompts)
-    if cfg.eval.every or cfg.eval.at_start:
-        load_prompts(cfg.data.eval_prompts)
+    paths = [cfg.data.train_prompts] + (
+        [cfg.data.eval_prompts] if cfg.eval.every or cfg.eval.at_start else []
+    )
+    for path in paths:
+        check_image_column(load_prompts(path), path, cfg.model.family)
 
 
 def _claim_run_dir(run_dir, args) -> None:

@@ -48,7 +48,11 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    family: str = _f("flux", "Adapter family: one of diffrl.models.available() (flux, sd3, sana, wan, toy).")
+    family: str = _f(
+        "flux",
+        "Adapter family: one of diffrl.models.available() (flux, flux_kontext, flux2, qwenimage, "
+        "sd3, sana, wan, wan22, toy).",
+    )
     pretrained: str = _f(
         "tiny",
         "Hub id or local diffusers directory, 'tiny' for the offline tiny twin, or (family toy) "
@@ -62,6 +66,11 @@ class ModelConfig:
     width: int = _f(64, "Image width in pixels.")
     num_frames: int = _f(1, "Frames per sample (video families only).")
     guidance_scale: float = _f(1.0, "CFG scale (sd3/sana/wan) or guidance embedding value (flux).")
+    guidance_scale_2: float | None = _f(
+        None,
+        "wan22: CFG scale of the low-noise expert (Wan2.2 A14B: 3.0, and 4.0 on the high-noise "
+        "one); null: guidance_scale.",
+    )
     max_sequence_length: int = _f(128, "Max text tokens for the long text encoder (T5/Gemma/UMT5).")
     full_finetune: bool = _f(
         False, "Train all transformer weights instead of LoRA; keeps a frozen reference copy."

@@ -62,12 +62,27 @@ def check(cfg) -> None:
             "with its own copy of the trained weights)"
         )
     _check_objective(cfg)
+    _check_model(cfg.model)
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
         raise ConfigError(
             "objective.anchor_coef works with independent rollouts only (rollout.strategy: "
             "independent); trees train the steps their edges cover: set objective.anchor_coef to 0"
+        )
+
+
+def _check_model(model) -> None:
+    """Family-specific model keys: Wan2.2's low-noise CFG scale and its LoRA-only training."""
+    if model.guidance_scale_2 is not None and model.family != "wan22":
+        raise ConfigError(
+            f"model.guidance_scale_2 is the CFG scale of Wan2.2's low-noise expert; family "
+            f"'{model.family}' has one transformer: remove it (or use model.family: wan22)"
+        )
+    if model.family == "wan22" and model.full_finetune:
+        raise ConfigError(
+            "model.full_finetune is not supported for wan22: two 14B experts plus their frozen "
+            "reference do not fit the GPUs it would run on; train LoRA (model.full_finetune: false)"
         )
 
 

@@ -21,7 +21,7 @@ import json
 
 # what every smoke or measurement run switches off: evaluation, checkpoints, trackers
 QUIET_RUN = ("eval.every=0", "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]")
-WEIGHT_FREE = ("jpeg_compressibility", "jpeg_incompressibility", "shapeworld")
+WEIGHT_FREE = ("jpeg_compressibility", "jpeg_incompressibility", "shapeworld", "shapeworld_edit")
 _STAND_INS = ("jpeg_compressibility", "jpeg_incompressibility")
 
 
@@ -41,6 +41,17 @@ def _rewards(cfg) -> list[dict]:
         elif spare:
             out.append({"name": spare.pop(0), "weight": r.weight})
     return out
+
+
+def _prompt_files(family: str) -> list[str]:
+    """The tiny prompt sets; an editing family gets the ShapeWorld edits (with images)."""
+    from diffrl.models import adapter_class
+
+    if adapter_class(family).edits_images:
+        train, held = "assets/shapeworld/edit/train.jsonl", "assets/shapeworld/edit/heldout.jsonl"
+    else:
+        train, held = "assets/prompts/tiny_train.txt", "assets/prompts/tiny_eval.txt"
+    return [f"data.train_prompts={train}", f"data.eval_prompts={held}"]
 
 
 def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
@@ -67,8 +78,7 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         f"train.micro_batch_size={micro_batch}",
         "train.gradient_accumulation=1",
         "train.max_steps=1",
-        "data.train_prompts=assets/prompts/tiny_train.txt",
-        "data.eval_prompts=assets/prompts/tiny_eval.txt",
+        *_prompt_files(cfg.model.family),
         *QUIET_RUN,
         f"run_name={cfg.run_name}_tiny_twin",
         f"rewards={json.dumps(_rewards(cfg))}",

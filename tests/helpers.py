@@ -16,6 +16,20 @@ def load_script(name: str):
     return module
 
 
+def family_prompts(family: str, texts: list[str]) -> list[str]:
+    """``texts`` as prompts for ``family``: an editing family (Kontext) gets each distinct
+    text paired with a shipped ShapeWorld source image (equal texts, equal images)."""
+    from diffrl.models import adapter_class
+
+    if not adapter_class(family).edits_images:
+        return list(texts)
+    from rewards.prompts import EditPrompt
+
+    sources = sorted((SCRIPTS.parent / "assets" / "shapeworld" / "edit" / "images").glob("train_*.png"))
+    index = {t: i for i, t in enumerate(dict.fromkeys(texts))}
+    return [EditPrompt(t, sources[index[t]]) for t in texts]
+
+
 def quick_config(name: str, run_dir, *overrides):
     """Config ``name`` writing to ``run_dir``, cut to 2 iterations with no evaluation, no
     checkpoints and no progress bar; ``overrides`` come last and win."""

@@ -76,6 +76,10 @@ def test_cross_field_validation(tmp_path):
         load_config(_write(tmp_path, "rollout:\n  group_size: 1\n"))
     with pytest.raises(ConfigError, match="sde_window"):
         load_config(_write(tmp_path, "sampling:\n  num_steps: 4\n  sde_window: [2, 9]\n"))
+    with pytest.raises(ConfigError, match="guidance_scale_2 is the CFG scale of Wan2.2's low-noise expert"):
+        load_config(_write(tmp_path, "model:\n  family: wan\n  guidance_scale_2: 3.0\n"))
+    with pytest.raises(ConfigError, match="full_finetune is not supported for wan22"):
+        load_config(_write(tmp_path, "model:\n  family: wan22\n  full_finetune: true\n"))
 
 
 def test_invalid_yaml_names_file(tmp_path):
@@ -145,6 +149,8 @@ def test_dry_run_checks_reward_names_arguments_and_prompt_files_without_loading_
         ("rewards=[{name: pickscor}]", "Did you mean 'pickscore'"),
         ("rewards=[{name: hpsv21, args: {checkpont: x.pt}}]", "has no argument 'checkpont'"),
         ("data.train_prompts=nope.txt", "'nope.txt' does not exist"),
+        ("model.family=flux_kontext", "'flux_kontext' edits images, but prompt file"),
+        ("data.train_prompts=assets/shapeworld/edit/train.jsonl", "'flux' generates from text only"),
     ):
         assert main(base + ["--set", override]) == 2
         assert words in capsys.readouterr().err

@@ -80,6 +80,14 @@ def with_rlg_scales(columns: list[Column], scales: list[float]) -> list[Column]:
     return out
 
 
+def _lora_file(path: Path) -> dict:
+    return {k.removeprefix("transformer."): v for k, v in _read_weights(path).items()}
+
+
+def _prefixed(state: dict, prefix: str) -> dict:
+    return {prefix + k: v for k, v in state.items()}
+
+
 def load_weights(policy, path: Path) -> None:
     """Load a checkpoint's LoRA into the policy (exact fp32 tensors when available)."""
 
@@ -102,8 +110,10 @@ def load_weights(policy, path: Path) -> None:
         return
     from peft.utils import set_peft_model_state_dict
 
-    state = _read_weights(path / "pytorch_lora_weights.safetensors")
-    state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    state = _lora_file(path / "pytorch_lora_weights.safetensors")
+    second = path / "transformer_2" / "pytorch_lora_weights.safetensors"
+    if second.is_file():  # Wan2.2's two experts (Wan22Adapter.save_lora): high here, low there
+        state = {**_prefixed(state, "high."), **_prefixed(_lora_file(second), "low.")}
     result = set_peft_model_state_dict(policy.transformer, state)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:

@@ -47,6 +47,7 @@ class Arch:
     text_encoder_params: float = 0.0  # the real text encoders' size (memory estimates)
     hub_ids: tuple[str, ...] = ()
     source: str = ""
+    experts: int = 1  # Wan2.2 A14B: a second transformer of the same config (transformer_2)
 
     def build_transformer(self) -> torch.nn.Module:
         """The transformer with parameters on the meta device (see :func:`materialize`)."""
@@ -94,6 +95,7 @@ def load_arch(name: str) -> Arch:
         text_encoder_params=raw.get("text_encoders_published_params", 0.0),
         hub_ids=tuple(raw.get("hub_ids", ())),
         source=raw.get("source", ""),
+        experts=raw.get("experts", 1),
     )
 
 
@@ -176,9 +178,22 @@ def build_random_pipeline(
     if not text_only:
         comps["transformer"] = materialize(arch.build_transformer(), device, dtype, seed)
         comps["vae"] = materialize(arch.build_vae(), device, dtype, seed + 1)
+        if arch.experts == 2:
+            comps["transformer_2"] = materialize(
+                arch.build_transformer(), device, dtype, seed + 2 + len(arch.text_overrides)
+            )
     for i, (name, overrides) in enumerate(sorted(arch.text_overrides.items())):
         comps[name] = materialize(_widened(comps[name], overrides), device, dtype, seed + 2 + i)
-    return type(twin_pipe)(**comps)
+    return type(twin_pipe)(**comps, **_pipeline_settings(twin_pipe, comps))
+
+
+def _pipeline_settings(pipe, comps: dict) -> dict:
+    """The pipeline's non-component ``__init__`` arguments (Wan2.2's ``boundary_ratio``),
+    which ``components`` leaves out."""
+    import inspect
+
+    accepted = inspect.signature(type(pipe).__init__).parameters
+    return {k: v for k, v in pipe.config.items() if k in accepted and k not in comps}
 
 
 def default_device() -> torch.device:
@@ -212,5 +227,8 @@ def build_random_adapter(cls, model_cfg, device=None):
     if device.type == "meta":
         text_pipe = build_random_pipeline(twin.pipe, arch, "cpu", dtype, seed, text_only=True)
         encoder = cls(finalize_pipeline(text_pipe, model_cfg), model_cfg)
-        adapter._encode_uncached = lambda prompts: encoder._encode_uncached(prompts).to("meta")
+        # editing families encode only the text on the CPU; their input images go through
+        # the full-size VAE on meta, which gives the real image-token count
+        name = "_encode_text" if cls.edits_images else "_encode_uncached"
+        setattr(adapter, name, lambda prompts: getattr(encoder, name)(prompts).to("meta"))
     return adapter

@@ -80,6 +80,7 @@ class FlowAdapter(ABC):
     temporal_downsample: int | None = None  # video: frames per latent frame (the first kept alone)
     cfg_as_batch: bool = True  # CFG runs a negative batch; FLUX distils guidance into an embedding
     keep_high: tuple[str, ...] = ()  # regexes of layers the low-precision copy keeps in high precision
+    edits_images: bool = False  # prompts come with input images (rewards.prompts.EditPrompt)
 
     @classmethod
     def is_video_family(cls) -> bool:

@@ -83,7 +83,7 @@ class FluxAdapter(PipelineAdapter):
             base_image_seq_len=256,
             max_image_seq_len=4096,
         )
-        pipe = FluxPipeline(
+        pipe = cls.pipeline_class(  # FluxPipeline, or FluxKontextPipeline (same components)
             scheduler=scheduler,
             vae=vae,
             text_encoder=text_encoder,

@@ -10,6 +10,7 @@ a list of common prompt words, so any lowercase prompt tokenizes deterministical
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -98,6 +99,80 @@ def gemma_tokenizer(model_max_length: int = 8192):
     # producing a fully masked attention row.
     return GemmaTokenizerFast(
         vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False, model_max_length=model_max_length
+    )
+
+
+# Words of the Qwen-Image prompt templates that are not in COMMON_WORDS: each must be a
+# single token, as in the real Qwen2 vocabulary, so that the template's system prefix is
+# exactly the ``prompt_template_encode_start_idx`` tokens the pipeline drops (34 for
+# QwenImagePipeline).
+QWEN_TEMPLATE_WORDS = tuple(
+    """system user assistant Describe detailing color shape size texture quantity text spatial
+    relationships objects""".split()
+)
+# Qwen2.5-VL chat and vision special tokens (the pipelines' templates use the first ones).
+QWEN_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+@functools.cache
+def _trained_bpe_merges(words: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Byte-pair merges learnt from ``words`` (each counted once) until every word is one symbol.
+
+    Learnt merges, unlike hand-chained ones, cannot be pre-empted by another word's merge
+    (``photo`` would otherwise end as ``pho`` + ``to`` once ``to`` has its own merge), so
+    every word encodes to a single token. Ties go to the lexicographically first pair:
+    deterministic.
+    """
+    symbols = [list(w) for w in words]
+    merges: list[tuple[str, str]] = []
+    while True:
+        counts: dict[tuple[str, str], int] = {}
+        for word in symbols:
+            for pair in zip(word, word[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            return tuple(merges)
+        left, right = best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        for word in symbols:
+            i = 0
+            while i < len(word) - 1:
+                if word[i] == left and word[i + 1] == right:
+                    word[i : i + 2] = [left + right]
+                i += 1
+
+
+def qwen2_tokenizer(model_max_length: int = 32768):
+    """Qwen2Tokenizer (Qwen2.5-VL, the Qwen-Image text encoder's): byte-level BPE over every
+    byte, with merges learnt so that each common word and template word is one token, with
+    and without a leading space (``Ġword``), plus the chat / vision special tokens.
+    ``<|endoftext|>`` (id 0) is the pad token, as in the real tokenizer."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    space = byte_chars[ord(" ")]  # "Ġ"
+    words = sorted({p for w in COMMON_WORDS + QWEN_TEMPLATE_WORDS for p in (w, space + w)})
+    merges = _trained_bpe_merges(tuple(words))
+    vocab = {"<|endoftext|>": 0}
+    for ch in byte_chars.values():
+        vocab.setdefault(ch, len(vocab))
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    for token in QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=list(merges),
+        extra_special_tokens=list(QWEN_SPECIAL_TOKENS),
+        model_max_length=model_max_length,
     )
 
 

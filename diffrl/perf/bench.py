@@ -64,7 +64,8 @@ def tree_vs_independent(adapter, cfg, schedules, prompts: int, repeats: int) -> 
             cfg.sampling.num_steps, splits, factors, cfg.tree.split_noise_scale, cfg.tree.split_noise
         )
         keys = [(0, 0, g, s) for g in range(prompts) for s in range(spec.leaves)]
-        cond = adapter.encode_prompts([F.PROMPTS[k[2] % len(F.PROMPTS)] for k in keys])
+        prompts = F.benchmark_prompts(adapter, len(F.PROMPTS))
+        cond = adapter.encode_prompts([prompts[k[2] % len(prompts)] for k in keys])
         out = {}
         fns = _samplers(adapter, cfg, spec, keys, cond, out)
         with torch.no_grad():

@@ -69,9 +69,17 @@ def reward_params(spec) -> float:
     return float(sum(p.numel() for p in model.parameters()))
 
 
+def _one_forward_model(transformer: torch.nn.Module) -> torch.nn.Module:
+    """The model one forward runs: one expert of a routed pair (Wan2.2's ``TwoExperts``:
+    same architecture, one of them per sample), else the transformer itself."""
+    experts = getattr(transformer, "experts", None)
+    return experts[0] if experts else transformer
+
+
 def _block_count(transformer: torch.nn.Module) -> int:
+    model = _one_forward_model(transformer)
     return sum(
-        len(m) for n, m in transformer.named_children() if isinstance(m, torch.nn.ModuleList) and "block" in n
+        len(m) for n, m in model.named_children() if isinstance(m, torch.nn.ModuleList) and "block" in n
     )
 
 
@@ -82,7 +90,7 @@ def _largest_block_bytes(transformer: torch.nn.Module) -> tuple[int, int]:
     """(all, trainable) parameter bytes of the largest transformer block: FSDP's unit."""
     blocks = [
         block
-        for name, blocks in transformer.named_children()
+        for name, blocks in _one_forward_model(transformer).named_children()
         if isinstance(blocks, torch.nn.ModuleList) and "block" in name
         for block in blocks
     ]

@@ -16,6 +16,17 @@ from torch.utils.flop_counter import FlopCounterMode
 PROMPTS = ("a photo of a cat sitting on a table", "two dogs running on the beach")
 
 
+def benchmark_prompts(adapter, count: int) -> list[str]:
+    """``count`` prompts cycling through :data:`PROMPTS`; an editing family (Kontext) gets
+    the first shipped ShapeWorld edits instead, which carry their input images."""
+    if not adapter.edits_images:
+        return [PROMPTS[i % len(PROMPTS)] for i in range(count)]
+    from diffrl.training.data import PROJECT_ROOT, load_prompts
+
+    edits = load_prompts(PROJECT_ROOT / "assets" / "shapeworld" / "edit" / "train.jsonl")[: len(PROMPTS)]
+    return [edits[i % len(edits)] for i in range(count)]
+
+
 def _counted(op) -> bool:
     """Whether torch's flop registry has a formula for ``op``: keyed by the overload
     (``op.default``) on some builds and by the packet itself on others (2.15)."""
@@ -59,7 +70,7 @@ def count_flops(fn) -> int:
 def velocity_inputs(adapter, batch: int, sigma: float = 0.5):
     """Latents, sigmas and conditioning for ``batch`` samples on the adapter's device."""
     device = adapter.device
-    cond = adapter.encode_prompts([PROMPTS[i % len(PROMPTS)] for i in range(batch)]).to(device)
+    cond = adapter.encode_prompts(benchmark_prompts(adapter, batch)).to(device)
     dtype = torch.float32  # the SDE state is fp32; adapters cast to the transformer's dtype
     latents = torch.randn((batch, *adapter.latent_shape()), dtype=dtype, device="cpu").to(device)
     return latents, torch.full((batch,), sigma, device=device), cond

@@ -4,13 +4,14 @@ Sol-RL explores with a low-precision copy of the policy, and NVFP4 (E2M1 values 
 only 8 magnitudes per block of 16, one E4M3 scale per block) is far too coarse for the
 few layers whose error is not averaged away:
 
-* **input embedders** (``x_embedder``, patch / pos embed, ``context_embedder``): they
-  map latents and text features into the residual stream once, and every later layer
-  inherits their error;
+* **input embedders** (``x_embedder``, patch / pos embed, ``context_embedder``,
+  Qwen-Image's ``img_in`` / ``txt_in``): they map latents and text features into the
+  residual stream once, and every later layer inherits their error;
 * **timestep / guidance / text / caption embedders** and the **adaLN modulation
   linears** (``norm1.linear``, ``norm_out.linear``, SANA's ``time_embed.linear``,
-  Wan's ``time_proj``): their outputs are *scales and shifts* that multiply every
-  token, so a 4-bit error there is a systematic error on the whole image;
+  Wan's ``time_proj``, Qwen-Image's ``img_mod.1`` / ``txt_mod.1``): their outputs are
+  *scales and shifts* that multiply every token, so a 4-bit error there is a
+  systematic error on the whole image;
 * the **final projection** (``proj_out`` at the top level): it writes the velocity
   itself.
 
@@ -65,6 +66,35 @@ WAN = (
     r"patch_embedding",  # Conv3d (never quantized, listed for intent)
     r"condition_embedder\..+",  # time / text (/ image) embedders and time_proj, the adaLN modulation
     r"proj_out",
+)
+
+
+# Wan2.2 A14B: the same layers in each of its two experts (``high.`` and ``low.``, the
+# submodules of ``diffrl.models.wan22.TwoExperts``)
+WAN22 = tuple(rf"(high|low)\.{pattern}" for pattern in WAN)
+
+# Qwen-Image (QwenImageTransformer2DModel: text-to-image and edit pipelines alike)
+QWENIMAGE = (
+    r"img_in",  # latent (packed 2x2 patch) embedder
+    r"txt_in",  # Qwen2.5-VL hidden states into the text stream
+    r"time_text_embed\..+",  # timestep embedder (linear_1, linear_2)
+    r"transformer_blocks\.\d+\.(img|txt)_mod\.1",  # adaLN modulation of both streams
+    r"norm_out\.linear",
+    r"proj_out",
+)
+
+# FLUX.2 (Flux2Transformer2DModel, the klein models): its adaLN modulation is not per
+# block but three linears shared by all blocks (each one's output scales every token
+# of every block), and its single blocks fuse attention and MLP into
+# ``attn.to_qkv_mlp_proj`` / ``attn.to_out``, which are quantized like FLUX.1's
+# ``proj_mlp`` / ``proj_out``.
+FLUX2 = (
+    r"x_embedder",
+    r"context_embedder",
+    r"time_guidance_embed\..+",  # timestep (and, with guidance_embeds, guidance) embedders
+    r"(double_stream_modulation_(img|txt)|single_stream_modulation)\.linear",
+    r"norm_out\.linear",
+    r"proj_out",  # top level only: single_transformer_blocks.N.attn.to_out is quantized
 )
 
 

@@ -28,7 +28,7 @@ from diffrl.sampling import SamplerSettings, get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
-from diffrl.training.data import load_prompts, plan_step
+from diffrl.training.data import check_image_column, load_prompts, plan_step
 from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
@@ -61,6 +61,8 @@ class Trainer:
         self.train_eval_prompts = (
             spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
         )
+        check_image_column(self.train_prompts, cfg.data.train_prompts, cfg.model.family)
+        check_image_column(self.eval_prompts, cfg.data.eval_prompts, cfg.model.family)
         self.reward_fn = MultiReward(cfg.rewards)
         self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
         self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)

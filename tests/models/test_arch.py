@@ -12,7 +12,17 @@ from diffrl.models import ModelLoadError, build_adapter
 from diffrl.models.arch import ARCH_DIR, _empty_parameters, arch_for, available_archs, load_arch, materialize
 from diffrl.twin import full_size_overrides
 
-ARCHS = ["flux1-dev", "sana1.5-1.6b", "sd35-large", "sd35-medium", "wan2.1-t2v-1.3b"]
+ARCHS = [
+    "flux1-dev",
+    "flux1-kontext-dev",
+    "flux2-klein-4b",
+    "qwen-image",
+    "sana1.5-1.6b",
+    "sd35-large",
+    "sd35-medium",
+    "wan2.1-t2v-1.3b",
+    "wan2.2-t2v-a14b",
+]
 
 
 def test_every_arch_file_is_listed_and_names_itself():
@@ -45,6 +55,10 @@ def test_real_configs_resolve_to_their_architecture():
         "sd35_solrl": "sd35-large",
         "sana_solrl": "sana1.5-1.6b",
         "wan_branchgrpo": "wan2.1-t2v-1.3b",
+        "wan22_flowgrpo": "wan2.2-t2v-a14b",
+        "flux_kontext_flowgrpo": "flux1-kontext-dev",
+        "qwenimage_flowgrpo": "qwen-image",
+        "flux2_flowgrpo": "flux2-klein-4b",
     }
     for config, arch in expected.items():
         assert arch_for(load_config(config).model.pretrained).name == arch
@@ -55,6 +69,8 @@ def test_real_configs_resolve_to_their_architecture():
     [
         ("flux_solrl", (2025, 64), {"prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}),
         ("wan_branchgrpo", (16, 9, 30, 52), {"prompt_embeds": (512, 4096)}),
+        ("wan22_flowgrpo", (16, 9, 30, 52), {"prompt_embeds": (512, 4096)}),
+        ("qwenimage_flowgrpo", (1024, 64), {"prompt_embeds": (256, 3584)}),
     ],
 )
 def test_full_size_adapter_runs_on_the_meta_device(config, latent, text):
@@ -145,3 +161,20 @@ def test_materialize_keeps_the_classes_fp32_modules_in_fp32():
     for name, p in model.named_parameters():
         in_kept = any(k in name.split(".") for k in keep)
         assert p.dtype == (torch.float32 if in_kept else torch.bfloat16), name
+
+
+def test_full_size_kontext_encodes_its_input_images_with_the_published_vae_on_meta():
+    """The text comes from CPU encoders; the input image goes through the full-size VAE on
+    the meta device, so its tokens are as many as the target's (512 px: 32 x 32)."""
+    from tests.helpers import family_prompts
+
+    cfg = load_config("flux_kontext_flowgrpo", ["model.pretrained=random:flux1-kontext-dev"])
+    adapter = build_adapter(cfg.model, device="meta")
+    cond = adapter.encode_prompts(family_prompts("flux_kontext", ["make it blue", "remove it"]))
+    assert (
+        tuple(cond.tensors["image_latents"].shape) == (2, 1024, 64) and cond.tensors["image_latents"].is_meta
+    )
+    x = torch.zeros((2, 1024, 64), device="meta")
+    assert (
+        adapter.velocity(adapter.transformer, x, torch.full((2,), 0.5, device="meta"), cond).shape == x.shape
+    )

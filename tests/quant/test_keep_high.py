@@ -39,7 +39,23 @@ def _sd3_kept(config):
 
 
 def _expected_kept(family, config):
-    if family == "flux":
+    if family == "wan22":  # Wan's list in each expert
+        return {f"{expert}.{name}" for expert in ("high", "low") for name in _expected_kept("wan", config)}
+    if family == "flux2":  # modulation is shared by all blocks: three linears, not one per block
+        return {"x_embedder", "context_embedder", "norm_out.linear", "proj_out"} | {
+            "time_guidance_embed.timestep_embedder.linear_1",
+            "time_guidance_embed.timestep_embedder.linear_2",
+            "double_stream_modulation_img.linear",
+            "double_stream_modulation_txt.linear",
+            "single_stream_modulation.linear",
+        }
+    if family == "qwenimage":
+        return (
+            {"img_in", "txt_in", "norm_out.linear", "proj_out"}
+            | _embedders("time_text_embed", ["timestep_embedder"])
+            | {f"transformer_blocks.{b}.{s}_mod.1" for b in range(config.num_layers) for s in ("img", "txt")}
+        )
+    if family in ("flux", "flux_kontext"):
         return (
             {"x_embedder", "context_embedder", "norm_out.linear", "proj_out"}
             | _embedders("time_text_embed", ["timestep_embedder", "guidance_embedder", "text_embedder"])

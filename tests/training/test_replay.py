@@ -10,6 +10,7 @@ from diffrl.models import build_adapter
 from diffrl.sampling.rollout import rollout_independent
 from diffrl.training.policy import Policy
 from tests.conftest import FAMILIES
+from tests.helpers import family_prompts
 
 
 def _setup(cfg, perturb_lora: bool):
@@ -60,7 +61,7 @@ def test_on_policy_ratio_is_one(family, tiny_cfg):
     cfg = tiny_cfg(family)
     adapter, policy = _setup(cfg, perturb_lora=True)
     prompts = ["a red circle", "a red circle", "two blue squares", "two blue squares"]
-    cond = adapter.encode_prompts(prompts)
+    cond = adapter.encode_prompts(family_prompts(family, prompts))
     traj = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg)
     assert traj.trainable_steps() == list(range(cfg.sampling.num_steps))
     for t in traj.trainable_steps():
@@ -72,7 +73,7 @@ def test_on_policy_ratio_is_one(family, tiny_cfg):
 def test_kl_is_zero_before_any_update(family, tiny_cfg):
     cfg = tiny_cfg(family)
     adapter, policy = _setup(cfg, perturb_lora=False)
-    cond = adapter.encode_prompts(["a cat", "a cat"])
+    cond = adapter.encode_prompts(family_prompts(family, ["a cat", "a cat"]))
     traj = rollout_independent(adapter, adapter.transformer, cond, _keys(2), cfg)
     _, stats = _replay(adapter, policy, cfg, traj, cond, 1, kl_coef=1.0)
     assert stats["kl"].item() == 0.0

@@ -1,0 +1,110 @@
+"""FLUX.1 Kontext on the tiny twin: prompts carry input images, the image enters as
+extra tokens, and the velocity is one step of diffusers' own FluxKontextPipeline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from diffrl.training.data import PromptFileError
+from rewards.prompts import EditPrompt
+from tests.models.test_adapters import make, noise
+
+
+@pytest.fixture
+def images(tmp_path):
+    paths = []
+    for i, colour in enumerate([(220, 30, 30), (30, 60, 220)]):
+        im = Image.new("RGB", (32, 32), (255, 255, 255))
+        im.paste(colour, (4 + 8 * i, 6, 20 + 8 * i, 22))
+        im.save(tmp_path / f"{i}.png")
+        paths.append(tmp_path / f"{i}.png")
+    return paths
+
+
+def kontext(**overrides):
+    return make("flux_kontext", guidance_scale=2.5, **overrides)
+
+
+def test_tiny_twin_is_a_kontext_pipeline_on_flux_classes():
+    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
+
+    adapter = kontext()
+    assert isinstance(adapter.pipe, FluxKontextPipeline) and adapter.edits_images
+    assert (
+        isinstance(adapter.transformer, FluxTransformer2DModel) and adapter.transformer.config.guidance_embeds
+    )
+
+
+def test_prompts_need_images_and_each_image_is_its_own_conditioning(images):
+    adapter = kontext()
+    with pytest.raises(PromptFileError, match="no input image"):
+        adapter.encode_prompts(["make the red square blue"])
+    a, b = (EditPrompt("make it blue", p) for p in images)
+    cond = adapter.encode_prompts([a, b, a])
+    latents = cond.tensors["image_latents"]
+    assert latents.shape == (3, *adapter.latent_shape())  # same size as the target: one token each
+    assert torch.equal(latents[0], latents[2]) and not torch.equal(latents[0], latents[1])
+    torch.testing.assert_close(cond.tensors["prompt_embeds"][0], cond.tensors["prompt_embeds"][1])
+
+
+def test_velocity_matches_one_step_of_the_real_pipeline(images):
+    adapter = kontext()
+    prompts = [EditPrompt("make it blue", p) for p in images]
+    cond = adapter.encode_prompts(prompts)
+    x = noise(adapter, 2, seed=3)
+    out = adapter.pipe(
+        image=[Image.open(p).convert("RGB") for p in images],
+        prompt_embeds=cond.tensors["prompt_embeds"],
+        pooled_prompt_embeds=cond.tensors["pooled_prompt_embeds"],
+        latents=x,
+        num_inference_steps=1,
+        guidance_scale=2.5,
+        height=32,
+        width=32,
+        output_type="latent",
+        _auto_resize=False,
+        max_area=32 * 32,  # else the pipeline rescales the output to 1024^2 pixels
+    ).images
+    v = adapter.velocity(adapter.transformer, x, torch.ones(2), cond)
+    torch.testing.assert_close(out.float(), x - v, atol=1e-5, rtol=1e-5)
+
+
+def test_the_input_image_changes_the_velocity_and_batches_do_not(images):
+    adapter = kontext()
+    a, b = (EditPrompt("make it blue", p) for p in images)
+    x, sigma = noise(adapter, 1).repeat(2, 1, 1), torch.tensor([0.7, 0.7])
+    v = adapter.velocity(adapter.transformer, x, sigma, adapter.encode_prompts([a, b]))
+    assert (v[0] - v[1]).abs().max() > 1e-4
+    alone = adapter.velocity(adapter.transformer, x[:1], sigma[:1], adapter.encode_prompts([a]))
+    torch.testing.assert_close(v[:1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_round_trip_through_load_lora_weights(images, tmp_path):
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    adapter = kontext()
+    cond = adapter.encode_prompts([EditPrompt("make it blue", p) for p in images])
+    x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.4])
+    adapter.transformer.add_adapter(
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=list(adapter.default_lora_targets), init_lora_weights="gaussian"
+        )
+    )
+    with torch.no_grad():
+        for name, param in adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    tuned = adapter.velocity(adapter.transformer, x, sigma, cond)
+    adapter.save_lora(
+        tmp_path / "lora", convert_state_dict_to_diffusers(get_peft_model_state_dict(adapter.transformer))
+    )
+    fresh = kontext()
+    fresh.pipe.load_lora_weights(tmp_path / "lora")
+    reloaded = fresh.velocity(
+        fresh.transformer, x, sigma, fresh.encode_prompts([EditPrompt("make it blue", p) for p in images])
+    )
+    torch.testing.assert_close(reloaded, tuned, atol=1e-5, rtol=1e-5)
