@@ -17,7 +17,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
-from diffrl.models.loading import PipelineAdapter, finalize_pipeline, module_dtype, unwrap
+from diffrl.models.loading import PackedLatentAdapter, finalize_pipeline, module_dtype, unwrap
 from diffrl.quant import keep_high as keep_high_patterns
 
 # Real FLUX.1 VAE latent normalisation (diffusers AutoencoderKL config of FLUX.1-dev).
@@ -25,7 +25,7 @@ _FLUX_VAE_SCALING = 0.3611
 _FLUX_VAE_SHIFT = 0.1159
 
 
-class FluxAdapter(PipelineAdapter):
+class FluxAdapter(PackedLatentAdapter):
     """FLUX.1 [dev|schnell]: CLIP pooled + T5 sequence embeddings, packed latents, guidance embedding."""
 
     family = "flux"
@@ -103,16 +103,6 @@ class FluxAdapter(PipelineAdapter):
         return self._encoded(self.cond_keys, (prompt_embeds, pooled))
 
     # -- latents and schedule -----------------------------------------------------------
-    def _latent_hw(self) -> tuple[int, int]:
-        """Unpacked latent size; FluxPipeline rounds to a multiple of 2 for the 2x2 packing."""
-        vsf = self.pipe.vae_scale_factor
-        return 2 * (self.cfg.height // (vsf * 2)), 2 * (self.cfg.width // (vsf * 2))
-
-    def latent_shape(self) -> tuple[int, ...]:
-        h, w = self._latent_hw()
-        channels = self.transformer.config.in_channels // 4
-        return ((h // 2) * (w // 2), channels * 4)
-
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """Exactly FluxPipeline's schedule: sigmas=linspace(1, 1/N, N) and mu from the image
         sequence length, through a fresh FlowMatchEuler scheduler built from the pipeline's."""

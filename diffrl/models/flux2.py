@@ -49,7 +49,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu,
 
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
-from diffrl.models.loading import PipelineAdapter, finalize_pipeline, module_dtype, unwrap
+from diffrl.models.loading import PackedLatentAdapter, finalize_pipeline, module_dtype, unwrap
 from diffrl.quant import keep_high as keep_high_patterns
 
 # Qwen3's chat template, reduced to what Flux2KleinPipeline renders (one user message,
@@ -104,7 +104,7 @@ def _tiny_flux2_vae():
     )
 
 
-class Flux2Adapter(PipelineAdapter):
+class Flux2Adapter(PackedLatentAdapter):
     """FLUX.2 [klein]: Qwen3 hidden states, patchified + batch-normed packed latents, CFG on
     the base models only."""
 
@@ -221,15 +221,6 @@ class Flux2Adapter(PipelineAdapter):
         return Conditioning(out)
 
     # -- latents and schedule -----------------------------------------------------------
-    def _latent_hw(self) -> tuple[int, int]:
-        """Unpatchified latent size; the pipeline rounds to a multiple of 2 for the 2x2 patchify."""
-        vsf = self.pipe.vae_scale_factor
-        return 2 * (self.cfg.height // (vsf * 2)), 2 * (self.cfg.width // (vsf * 2))
-
-    def latent_shape(self) -> tuple[int, ...]:
-        h, w = self._latent_hw()
-        return ((h // 2) * (w // 2), self.transformer.config.in_channels)
-
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """Exactly Flux2KleinPipeline's schedule: its sigma grid and empirical mu, set through
         the pipeline module's ``retrieve_timesteps`` on a fresh copy of its scheduler."""

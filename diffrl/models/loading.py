@@ -193,3 +193,18 @@ class PipelineAdapter(FlowAdapter):
     def _encoded(self, names: tuple[str, ...], values) -> Conditioning:
         """Conditioning from the encode_prompt outputs, dropping the ones that are None."""
         return Conditioning({n: v for n, v in zip(names, values) if v is not None})
+
+
+class PackedLatentAdapter(PipelineAdapter):
+    """A family whose transformer reads 2x2-packed latents (FLUX.1, Kontext, FLUX.2,
+    Qwen-Image): the VAE latent (C, h, w) becomes (h/2 * w/2 tokens, 4C channels), with h
+    and w rounded down to even numbers as those pipelines do."""
+
+    def _latent_hw(self) -> tuple[int, int]:
+        """Unpacked latent size: the pixels over the VAE factor, rounded to a multiple of 2."""
+        vsf = self.pipe.vae_scale_factor
+        return 2 * (self.cfg.height // (vsf * 2)), 2 * (self.cfg.width // (vsf * 2))
+
+    def latent_shape(self) -> tuple[int, ...]:
+        h, w = self._latent_hw()
+        return ((h // 2) * (w // 2), self.transformer.config.in_channels)

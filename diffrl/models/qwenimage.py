@@ -50,7 +50,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
-from diffrl.models.loading import PipelineAdapter, finalize_pipeline, module_dtype
+from diffrl.models.loading import PackedLatentAdapter, finalize_pipeline, module_dtype
 from diffrl.quant import keep_high as keep_high_patterns
 
 # scheduler/scheduler_config.json of Qwen/Qwen-Image (diffusers layout)
@@ -125,7 +125,7 @@ def _pad_to(embeds: torch.Tensor, mask: torch.Tensor | None, length: int):
     return embeds, mask
 
 
-class QwenImageAdapter(PipelineAdapter):
+class QwenImageAdapter(PackedLatentAdapter):
     """Qwen-Image: Qwen2.5-VL embeddings + mask, packed latents, true CFG with a norm rescale."""
 
     family = "qwenimage"
@@ -207,15 +207,6 @@ class QwenImageAdapter(PipelineAdapter):
         return Conditioning(out)
 
     # -- latents and schedule -----------------------------------------------------------
-    def _latent_hw(self) -> tuple[int, int]:
-        """Unpacked latent size; the pipeline rounds to a multiple of 2 for the 2x2 packing."""
-        vsf = self.pipe.vae_scale_factor
-        return 2 * (self.cfg.height // (vsf * 2)), 2 * (self.cfg.width // (vsf * 2))
-
-    def latent_shape(self) -> tuple[int, ...]:
-        h, w = self._latent_hw()
-        return ((h // 2) * (w // 2), self.transformer.config.in_channels)
-
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """Exactly QwenImagePipeline's schedule: sigmas=linspace(1, 1/N, N) and mu from the image
         sequence length, through a fresh FlowMatchEuler scheduler built from the pipeline's

@@ -18,6 +18,7 @@ from diffrl.config import ModelConfig
 from diffrl.models import ModelLoadError, adapter_class, build_adapter
 from diffrl.models.base import Conditioning, FlowAdapter
 from diffrl.models.loading import torch_dtype
+from tests.models.lora import add_random_lora, lora_state
 
 FAMILIES = ["flux", "sd3", "sana", "wan"]
 CFG_FAMILIES = ["sd3", "sana", "wan"]
@@ -387,29 +388,16 @@ def test_lora_round_trip_through_load_lora_weights(family, tmp_path):
 
     alpha != rank on purpose: diffusers reloads with alpha == rank unless the LoraConfig
     is saved as metadata."""
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
     adapter = make(family)
     cond = adapter.encode_prompts(PROMPTS[:2])
     x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.4])
     base = adapter.velocity(adapter.transformer, x, sigma, cond)
 
-    adapter.transformer.add_adapter(
-        LoraConfig(
-            r=4, lora_alpha=8, target_modules=list(adapter.default_lora_targets), init_lora_weights="gaussian"
-        )
-    )
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    add_random_lora(adapter)
     tuned = adapter.velocity(adapter.transformer, x, sigma, cond)
     assert (tuned - base).abs().max() > 1e-3
 
-    state = convert_state_dict_to_diffusers(get_peft_model_state_dict(adapter.transformer))
+    state = lora_state(adapter)
     adapter.save_lora(tmp_path, state)
     fresh = make(family)
     fresh.pipe.load_lora_weights(tmp_path)

@@ -9,6 +9,7 @@ from PIL import Image
 
 from diffrl.training.data import PromptFileError
 from rewards.prompts import EditPrompt
+from tests.models.lora import add_random_lora, lora_state
 from tests.models.test_adapters import make, noise
 
 
@@ -82,26 +83,12 @@ def test_the_input_image_changes_the_velocity_and_batches_do_not(images):
 
 
 def test_lora_round_trip_through_load_lora_weights(images, tmp_path):
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
     adapter = kontext()
     cond = adapter.encode_prompts([EditPrompt("make it blue", p) for p in images])
     x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.4])
-    adapter.transformer.add_adapter(
-        LoraConfig(
-            r=4, lora_alpha=8, target_modules=list(adapter.default_lora_targets), init_lora_weights="gaussian"
-        )
-    )
-    with torch.no_grad():
-        for name, param in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
+    add_random_lora(adapter)
     tuned = adapter.velocity(adapter.transformer, x, sigma, cond)
-    adapter.save_lora(
-        tmp_path / "lora", convert_state_dict_to_diffusers(get_peft_model_state_dict(adapter.transformer))
-    )
+    adapter.save_lora(tmp_path / "lora", lora_state(adapter))
     fresh = kontext()
     fresh.pipe.load_lora_weights(tmp_path / "lora")
     reloaded = fresh.velocity(

@@ -22,6 +22,7 @@ from diffrl.models import ModelLoadError, adapter_class, build_adapter
 from diffrl.models.arch import ARCH_DIR, load_arch
 from diffrl.models.base import Conditioning, FlowAdapter
 from diffrl.quant.keep_high import split_keep_high
+from tests.models.lora import add_random_lora, lora_state
 from tests.models.test_adapters import PROMPTS, make_cfg, noise
 
 FAMILY = "qwenimage"
@@ -368,28 +369,15 @@ def test_from_pretrained_missing_local_path(tmp_path):
 def test_lora_round_trip_through_load_lora_weights(tmp_path):
     """Trained LoRA -> adapter.save_lora -> fresh pipeline.load_lora_weights gives the same
     velocity; alpha != rank, so the saved LoraConfig metadata matters."""
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
     adapter = make()
     cond = adapter.encode_prompts(PROMPTS[:2])
     x, sigma = noise(adapter, 2), torch.tensor([0.9, 0.4])
     base = adapter.velocity(adapter.transformer, x, sigma, cond)
-    adapter.transformer.add_adapter(
-        LoraConfig(
-            r=4, lora_alpha=8, target_modules=list(adapter.default_lora_targets), init_lora_weights="gaussian"
-        )
-    )
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    add_random_lora(adapter)
     tuned = adapter.velocity(adapter.transformer, x, sigma, cond)
     assert (tuned - base).abs().max() > 1e-3
 
-    state = convert_state_dict_to_diffusers(get_peft_model_state_dict(adapter.transformer))
+    state = lora_state(adapter)
     adapter.save_lora(tmp_path, state)
     fresh = make()
     fresh.pipe.load_lora_weights(tmp_path)

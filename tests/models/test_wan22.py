@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from diffrl.models.wan22 import TwoExperts
+from tests.models.lora import add_random_lora, lora_state
 from tests.models.test_adapters import PROMPTS, make, noise
 
 
@@ -112,16 +113,8 @@ def test_velocity_matches_one_step_of_the_real_pipeline():
 def test_both_experts_get_gradients_whatever_the_batch(sigmas):
     """A batch on one expert still gives the other's trainable weights a (zero) gradient,
     so DDP/FSDP reductions see every weight; real gradients only where the expert ran."""
-    from peft import LoraConfig
-
     adapter = wan22()
-    adapter.transformer.add_adapter(
-        LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"], init_lora_weights="gaussian")
-    )
-    with torch.no_grad():
-        for name, p in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
+    add_random_lora(adapter, targets=["to_q"], rank=2, alpha=2.0)
     cond = adapter.encode_prompts(PROMPTS[:2])
     sigma = torch.tensor(sigmas)
     adapter.velocity(adapter.transformer, noise(adapter, 2), sigma, cond).square().sum().backward()
@@ -133,26 +126,12 @@ def test_both_experts_get_gradients_whatever_the_batch(sigmas):
 
 
 def test_lora_round_trip_into_both_experts(tmp_path):
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
     adapter = wan22()
-    targets = list(adapter.default_lora_targets)
-    adapter.transformer.add_adapter(
-        LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian")
-    )
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in adapter.transformer.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    add_random_lora(adapter)
     cond = adapter.encode_prompts(PROMPTS[:2])
     x, sigma = noise(adapter, 2), torch.tensor([0.95, 0.3])  # one sample per expert
     tuned = adapter.velocity(adapter.transformer, x, sigma, cond)
-    adapter.save_lora(
-        tmp_path, convert_state_dict_to_diffusers(get_peft_model_state_dict(adapter.transformer))
-    )
+    adapter.save_lora(tmp_path, lora_state(adapter))
 
     fresh = wan22()
     base = fresh.velocity(fresh.transformer, x, sigma, fresh.encode_prompts(PROMPTS[:2]))
