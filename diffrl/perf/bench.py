@@ -64,8 +64,8 @@ def tree_vs_independent(adapter, cfg, schedules, prompts: int, repeats: int) -> 
             cfg.sampling.num_steps, splits, factors, cfg.tree.split_noise_scale, cfg.tree.split_noise
         )
         keys = [(0, 0, g, s) for g in range(prompts) for s in range(spec.leaves)]
-        prompts = F.benchmark_prompts(adapter, len(F.PROMPTS))
-        cond = adapter.encode_prompts([prompts[k[2] % len(prompts)] for k in keys])
+        texts = F.benchmark_prompts(adapter, len(F.PROMPTS))
+        cond = adapter.encode_prompts([texts[k[2] % len(texts)] for k in keys])
         out = {}
         fns = _samplers(adapter, cfg, spec, keys, cond, out)
         with torch.no_grad():
