@@ -63,6 +63,7 @@ def check(cfg) -> None:
         )
     _check_objective(cfg)
     _check_model(cfg.model)
+    _check_attention_mask_support(cfg)
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
@@ -79,10 +80,38 @@ def _check_model(model) -> None:
             f"model.guidance_scale_2 is the CFG scale of Wan2.2's low-noise expert; family "
             f"'{model.family}' has one transformer: remove it (or use model.family: wan22)"
         )
+    if model.guidance_scale_2 is not None and model.guidance_scale <= 1 < model.guidance_scale_2:
+        raise ConfigError(
+            "model.guidance_scale_2 only applies when model.guidance_scale > 1: WanPipeline runs CFG "
+            "on both experts or on neither; raise model.guidance_scale or drop guidance_scale_2"
+        )
     if model.family == "wan22" and model.full_finetune:
         raise ConfigError(
             "model.full_finetune is not supported for wan22: two 14B experts plus their frozen "
             "reference do not fit the GPUs it would run on; train LoRA (model.full_finetune: false)"
+        )
+
+
+def _masked_attention_unsupported(backend: str) -> bool:
+    """diffusers backends that raise on an attention mask (flash-attn 2/3/4 and native flash,
+    Sage, AITER, XLA; the varlen flash kernels take masks as sequence lengths)."""
+    return ("flash" in backend and "varlen" not in backend) or any(
+        k in backend for k in ("sage", "aiter", "xla")
+    )
+
+
+def _check_attention_mask_support(cfg) -> None:
+    """A family whose text tokens are padded and masked (Qwen-Image) cannot run on a
+    mask-less attention backend: diffusers would raise inside the first rollout."""
+    backend = cfg.perf.attention_backend
+    if not backend or not _masked_attention_unsupported(backend):
+        return
+    from diffrl.models import adapter_class
+
+    if adapter_class(cfg.model.family).masks_text_tokens:
+        raise ConfigError(
+            f"perf.attention_backend '{backend}' takes no attention mask, and model family "
+            f"'{cfg.model.family}' masks its padded text tokens; use _native_cudnn, flash_varlen or null"
         )
 
 

@@ -32,10 +32,13 @@ class EditPrompt(str):
         return obj
 
     def __eq__(self, other) -> bool:
+        if not isinstance(other, str):
+            return NotImplemented
         return str.__eq__(self, other) and getattr(other, "image", None) == self.image
 
     def __ne__(self, other) -> bool:
-        return not self == other
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
 
     def __hash__(self) -> int:
         return hash((str(self), self.image))

@@ -5,7 +5,18 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-FAMILIES = ["flux", "flux_kontext", "flux2", "qwenimage", "sd3", "sana", "wan", "wan22", "toy"]
+FAMILIES = [
+    "flux",
+    "flux_kontext",
+    "flux2",
+    "qwenimage",
+    "qwenimage_edit",
+    "sd3",
+    "sana",
+    "wan",
+    "wan22",
+    "toy",
+]
 
 
 @pytest.fixture

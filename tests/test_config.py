@@ -78,6 +78,17 @@ def test_cross_field_validation(tmp_path):
         load_config(_write(tmp_path, "sampling:\n  num_steps: 4\n  sde_window: [2, 9]\n"))
     with pytest.raises(ConfigError, match="guidance_scale_2 is the CFG scale of Wan2.2's low-noise expert"):
         load_config(_write(tmp_path, "model:\n  family: wan\n  guidance_scale_2: 3.0\n"))
+    with pytest.raises(ConfigError, match="guidance_scale_2 only applies when model.guidance_scale > 1"):
+        load_config(
+            _write(tmp_path, "model:\n  family: wan22\n  guidance_scale: 1.0\n  guidance_scale_2: 3.0\n")
+        )
+    with pytest.raises(
+        ConfigError, match="'flash' takes no attention mask.*'qwenimage' masks its padded text"
+    ):
+        load_config(_write(tmp_path, "model:\n  family: qwenimage\nperf:\n  attention_backend: flash\n"))
+    load_config(
+        _write(tmp_path, "model:\n  family: flux\nperf:\n  attention_backend: flash\n")
+    )  # no mask: fine
     with pytest.raises(ConfigError, match="full_finetune is not supported for wan22"):
         load_config(_write(tmp_path, "model:\n  family: wan22\n  full_finetune: true\n"))
 

@@ -272,11 +272,11 @@ needs_fsdp2 = pytest.mark.skipif(
 ONE_GROUP = ["rollout.prompts_per_step=1", "rollout.group_size=4", "train.gradient_accumulation=1"]
 
 
-def _train(processes: int, run_dir, *assignments, resume=None, **env):
-    """scripts/train.py on tiny_flux_flowgrpo over ``processes`` gloo processes; one
-    group of 4 split evenly (micro-batches of 4 / processes)."""
+def _train(processes: int, run_dir, *assignments, resume=None, config="tiny_flux_flowgrpo", **env):
+    """scripts/train.py on ``config`` over ``processes`` gloo processes; one group of 4
+    split evenly (micro-batches of 4 / processes)."""
     sets = [*ONE_GROUP, f"train.micro_batch_size={4 // processes}", f"output_dir={run_dir}", *assignments]
-    args = ["scripts/train.py", "--config", "tiny_flux_flowgrpo", *[a for s in sets for a in ("--set", s)]]
+    args = ["scripts/train.py", "--config", config, *[a for s in sets for a in ("--set", s)]]
     args += ["--resume", str(resume)] if resume else []
     run = _run(TORCHRUN + [str(processes), *args], **({"ACCELERATE_USE_CPU": "true"} | env))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -313,6 +313,26 @@ def test_fsdp_over_two_gloo_processes_equals_one_process_and_resumes_exactly(tmp
     w3 = _trainable(tmp_path / "resumed", 2)
     assert all(torch.equal(w2[name], w3[name]) for name in w2)  # resume is exact
     assert not any(p.name.startswith("pytorch_model_fsdp") for p in step1.iterdir())  # no frozen base
+
+
+@pytest.mark.slow
+@needs_fsdp2
+def test_wan22_two_experts_under_fsdp_equal_one_process(tmp_path):
+    """Wan2.2's routed experts sharded with FSDP2: passes that run one expert leave the
+    other's units ungathered, and its zero-gradient link must still work there; the
+    weights equal one process's."""
+    wan22 = ["train.max_steps=1", "checkpoint.every=1", "eval.every=0"]
+    _train(1, tmp_path / "one", *wan22, config="tiny_wan22_flowgrpo")
+    fsdp = _train(2, tmp_path / "fsdp", *wan22, config="tiny_wan22_flowgrpo", **FSDP_ENV)
+    assert "FSDP: the transformer is sharded over 2 processes" in fsdp.stdout
+    a, b = _rows(tmp_path / "one")[0], _rows(tmp_path / "fsdp")[0]
+    assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-6)
+    w1, w2 = _trainable(tmp_path / "one", 1), _trainable(tmp_path / "fsdp", 1)
+    assert {n.split(".")[0] for n in w1} == {"high", "low"}
+    for expert in ("high", "low"):  # the 4-step schedule puts 3 steps on high, 1 on low: both trained
+        assert any(w1[n].abs().sum() > 0 for n in w1 if n.startswith(expert) and "lora_B" in n), expert
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow

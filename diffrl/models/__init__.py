@@ -19,6 +19,7 @@ FAMILIES = Registry(
         "wan": "diffrl.models.wan:WanAdapter",
         "wan22": "diffrl.models.wan22:Wan22Adapter",
         "qwenimage": "diffrl.models.qwenimage:QwenImageAdapter",
+        "qwenimage_edit": "diffrl.models.qwenimage_edit:QwenImageEditAdapter",
         "flux2": "diffrl.models.flux2:Flux2Adapter",
         "flux_kontext": "diffrl.models.flux_kontext:FluxKontextAdapter",
         "toy": "diffrl.models.toy:ToyAdapter",

@@ -227,8 +227,9 @@ def build_random_adapter(cls, model_cfg, device=None):
     if device.type == "meta":
         text_pipe = build_random_pipeline(twin.pipe, arch, "cpu", dtype, seed, text_only=True)
         encoder = cls(finalize_pipeline(text_pipe, model_cfg), model_cfg)
-        # editing families encode only the text on the CPU; their input images go through
-        # the full-size VAE on meta, which gives the real image-token count
+        # editing families run their prompt encoder (the text, and for Qwen-Image-Edit the
+        # image through its VL encoder) on the CPU; the image latents go through the
+        # full-size VAE on meta, which gives the real image-token count
         name = "_encode_text" if cls.edits_images else "_encode_uncached"
         setattr(adapter, name, lambda prompts: getattr(encoder, name)(prompts).to("meta"))
     return adapter

@@ -81,6 +81,7 @@ class FlowAdapter(ABC):
     cfg_as_batch: bool = True  # CFG runs a negative batch; FLUX distils guidance into an embedding
     keep_high: tuple[str, ...] = ()  # regexes of layers the low-precision copy keeps in high precision
     edits_images: bool = False  # prompts come with input images (rewards.prompts.EditPrompt)
+    masks_text_tokens: bool = False  # padded text tokens are masked: needs a backend that takes masks
 
     @classmethod
     def is_video_family(cls) -> bool:

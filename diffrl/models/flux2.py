@@ -148,6 +148,14 @@ class Flux2Adapter(PackedLatentAdapter):
 
     def __init__(self, pipe, model_cfg):
         super().__init__(pipe, model_cfg)
+        if pipe.config.get("is_distilled", False) and model_cfg.guidance_scale > 1:
+            # the pipeline would silently ignore it, and the run plan would count CFG forwards
+            from diffrl.config import ConfigError
+
+            raise ConfigError(
+                f"model '{model_cfg.pretrained}' is step-distilled and ignores CFG, but model.guidance_scale "
+                f"is {model_cfg.guidance_scale:g}; set model.guidance_scale: 1 (or use a klein base model)"
+            )
         # the class's depth-independent targets plus each single block's fused output, as
         # diffusers' klein LoRA script lists them
         singles = unwrap(pipe.transformer).config.num_single_layers

@@ -133,6 +133,7 @@ class QwenImageAdapter(PackedLatentAdapter):
     # 16-channel VAE latents at 1/8 (packed 2x2 into 64 channels at 1/16: the same count)
     keep_high = keep_high_patterns.QWENIMAGE
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
+    masks_text_tokens = True  # embeddings padded to max_sequence_length, with their mask
     # flow_grpo's Qwen-Image scripts (as diffusers' _tp_plan lists them): attention of
     # both streams and both streams' feed-forwards.
     default_lora_targets = (

@@ -149,17 +149,23 @@ def _trained_bpe_merges(words: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
                 i += 1
 
 
-def qwen2_tokenizer(model_max_length: int = 32768):
+def qwen2_tokenizer(model_max_length: int = 32768, extra_words: tuple[str, ...] = ()):
     """Qwen2Tokenizer (Qwen2.5-VL, the Qwen-Image text encoder's): byte-level BPE over every
     byte, with merges learnt so that each common word and template word is one token, with
     and without a leading space (``Ġword``), plus the chat / vision special tokens.
-    ``<|endoftext|>`` (id 0) is the pad token, as in the real tokenizer."""
+    ``<|endoftext|>`` (id 0) is the pad token, as in the real tokenizer.
+
+    ``extra_words`` become single tokens too (with and without the leading space): a
+    family's template words, or pre-tokenizer pieces such as ``"("`` (giving ``" ("``) or
+    ``"'s"``. Without them the vocabulary is exactly the default one."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_chars = bytes_to_unicode()
     space = byte_chars[ord(" ")]  # "Ġ"
-    words = sorted({p for w in COMMON_WORDS + QWEN_TEMPLATE_WORDS for p in (w, space + w)})
+    words = sorted(
+        {p for w in COMMON_WORDS + QWEN_TEMPLATE_WORDS + tuple(extra_words) for p in (w, space + w)}
+    )
     merges = _trained_bpe_merges(tuple(words))
     vocab = {"<|endoftext|>": 0}
     for ch in byte_chars.values():

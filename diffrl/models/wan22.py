@@ -130,8 +130,15 @@ class TwoExperts(torch.nn.Module):
             out = out.index_put((rows.nonzero().squeeze(1),), part)
         idle = self.low if high.all() else self.high if not high.any() else None
         if idle is not None and torch.is_grad_enabled():
-            out = out + 0.0 * sum(p.sum() for p in idle.parameters() if p.requires_grad)
+            out = out + 0.0 * sum(_local(p).sum() for p in idle.parameters() if p.requires_grad)
         return (out,)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter: its shard under FSDP2 (a DTensor, whose idle
+    units were never gathered), so the zero link needs no collective; else the parameter."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param
 
 
 class Wan22Adapter(WanAdapter):
@@ -216,11 +223,6 @@ class Wan22Adapter(WanAdapter):
         v_uncond, v_cond = out.chunk(2)
         scale = self.guidance_scales(sigma).view(-1, *[1] * (latents.ndim - 1))
         return v_uncond + scale * (v_cond - v_uncond)
-
-    @property
-    def do_cfg(self) -> bool:
-        low = self.cfg.guidance_scale_2
-        return self.cfg.guidance_scale > 1.0 or (low is not None and low > 1.0)
 
     # -- LoRA I/O ----------------------------------------------------------------------
     def save_lora(self, directory, transformer_lora_state: dict) -> None:

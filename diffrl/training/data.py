@@ -94,7 +94,8 @@ def check_image_column(prompts: list[str], path, family: str) -> None:
     if with_image and not edits:
         raise PromptFileError(
             f"prompt file '{path}' gives input images, but model family '{family}' generates from text "
-            "only and would ignore them; use an editing family (flux_kontext) or a file without 'image'"
+            "only and would ignore them; use an editing family (flux_kontext, qwenimage_edit) or a "
+            "file without 'image'"
         )
 
 

@@ -17,6 +17,7 @@ ARCHS = [
     "flux1-kontext-dev",
     "flux2-klein-4b",
     "qwen-image",
+    "qwen-image-edit",
     "sana1.5-1.6b",
     "sd35-large",
     "sd35-medium",

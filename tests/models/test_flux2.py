@@ -326,7 +326,7 @@ def test_from_pretrained_local_directory(tmp_path):
 
     distilled = make_distilled()
     distilled.pipe.save_pretrained(tmp_path / "distilled")
-    assert not make(pretrained=str(tmp_path / "distilled")).do_cfg
+    assert make(pretrained=str(tmp_path / "distilled"), guidance_scale=1.0).pipe.config.is_distilled
 
 
 def test_lora_round_trip_through_load_lora_weights(tmp_path):
@@ -414,3 +414,14 @@ def test_family_latent_facts_match_the_published_vae():
     for size in (512, 1024):
         cfg = make_cfg(FAMILY, height=size, width=size)
         assert cls.latent_numel(cfg) == 128 * (size // 16) ** 2
+
+
+def test_a_distilled_model_with_a_guidance_scale_is_refused_at_load(tmp_path):
+    """The pipeline would ignore the scale and the run plan would count CFG forwards: one
+    error naming the fix instead."""
+    from diffrl.config import ConfigError
+
+    make_distilled().pipe.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="step-distilled and ignores CFG.*set model.guidance_scale: 1"):
+        make(pretrained=str(tmp_path))
+    assert not make(pretrained=str(tmp_path), guidance_scale=1.0).do_cfg

@@ -95,3 +95,50 @@ def test_lora_round_trip_through_load_lora_weights(images, tmp_path):
         fresh.transformer, x, sigma, fresh.encode_prompts([EditPrompt("make it blue", p) for p in images])
     )
     torch.testing.assert_close(reloaded, tuned, atol=1e-5, rtol=1e-5)
+
+
+def test_a_source_of_another_size_is_resized_as_the_pipeline_resizes_it(tmp_path):
+    """A 48x40 source, resized (Lanczos) to the run's 32x32, and a mid-schedule step: the
+    velocity equals the pipeline's second step given the same schedule and image size."""
+    adapter = kontext()
+    im = Image.new("RGB", (48, 40), (255, 255, 255))
+    im.paste((30, 160, 50), (6, 5, 30, 29))
+    im.save(tmp_path / "src.png")
+    prompt = EditPrompt("make it blue", tmp_path / "src.png")
+    cond = adapter.encode_prompts([prompt])
+    resized = Image.open(tmp_path / "src.png").convert("RGB").resize((32, 32), Image.Resampling.LANCZOS)
+    seen = {}
+
+    def second_step(pipe, i, t, kwargs):
+        seen.setdefault(i, kwargs["latents"].clone())
+        return kwargs
+
+    x = noise(adapter, 1, seed=5)
+    sigmas = [1.0, 0.6]
+    out = adapter.pipe(
+        image=[resized],
+        prompt_embeds=cond.tensors["prompt_embeds"],
+        pooled_prompt_embeds=cond.tensors["pooled_prompt_embeds"],
+        latents=x,
+        sigmas=sigmas,
+        num_inference_steps=2,
+        guidance_scale=2.5,
+        height=32,
+        width=32,
+        output_type="latent",
+        _auto_resize=False,
+        max_area=32 * 32,
+        callback_on_step_end=second_step,
+        callback_on_step_end_tensor_inputs=["latents"],
+    ).images
+    schedule = type(adapter.pipe.scheduler).from_config(adapter.pipe.scheduler.config)
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    c = schedule.config
+    mu = calculate_shift(
+        adapter.latent_shape()[0], c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift
+    )
+    schedule.set_timesteps(sigmas=sigmas, mu=mu)
+    s1, s2 = float(schedule.sigmas[1]), float(schedule.sigmas[2])
+    v = adapter.velocity(adapter.transformer, seen[0], torch.tensor([s1]), cond)
+    torch.testing.assert_close(out.float(), seen[0] + (s2 - s1) * v, atol=1e-5, rtol=1e-5)

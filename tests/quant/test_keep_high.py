@@ -49,7 +49,7 @@ def _expected_kept(family, config):
             "double_stream_modulation_txt.linear",
             "single_stream_modulation.linear",
         }
-    if family == "qwenimage":
+    if family in ("qwenimage", "qwenimage_edit"):
         return (
             {"img_in", "txt_in", "norm_out.linear", "proj_out"}
             | _embedders("time_text_embed", ["timestep_embedder"])
