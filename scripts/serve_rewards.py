@@ -1,0 +1,68 @@
+"""Serve a registered reward over HTTP, batching requests, for `{name: remote, args: {url: ...}}`.
+
+    python scripts/serve_rewards.py --reward shapeworld --port 8600
+    python scripts/serve_rewards.py --reward 'hpsv21={"checkpoint": "HPS_v2.1_compressed.pt"}' --device cuda:1
+
+Each training process (or machine) then scores through it with
+`rewards: [{name: remote, args: {url: "http://HOST:8600"}}]`. See rewards/serve.py for
+the protocol and rewards/remote.py for the client's retries and errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reward", required=True, help="NAME or 'NAME={json args}' of a registered reward")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every one)")
+    parser.add_argument("--port", type=int, default=8600)
+    parser.add_argument("--device", default=None, help="move the reward model there (e.g. cuda:1)")
+    parser.add_argument("--max-batch", type=int, default=64, help="most images scored in one call")
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests"
+    )
+    return parser.parse_args(argv)
+
+
+def build_reward(spec: str):
+    import rewards
+
+    name, _, raw = spec.partition("=")
+    try:
+        args = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as err:
+        raise rewards.RewardArgsError(
+            f"--reward {spec!r}: the args after '=' are not JSON ({err.msg})"
+        ) from None
+    return name, rewards.build(name, **args)
+
+
+def main(argv=None) -> None:
+    from rewards.serve import serve
+
+    args = parse_args(argv)
+    name, reward = build_reward(args.reward)
+    if args.device and hasattr(reward, "to"):
+        reward.to(args.device)
+    server = serve(reward, name, args.host, args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+    host, port = server.server_address[:2]
+    print(f"serving reward '{name}' on http://{host}:{port} (batches of up to {args.max_batch})", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+if __name__ == "__main__":
+    from diffrl.cli import run_cli
+
+    run_cli(main)
