@@ -62,8 +62,7 @@ def check(cfg) -> None:
             "with its own copy of the trained weights)"
         )
     _check_objective(cfg)
-    _check_model(cfg.model)
-    _check_attention_mask_support(cfg)
+    _check_model(cfg)
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
@@ -73,8 +72,11 @@ def check(cfg) -> None:
         )
 
 
-def _check_model(model) -> None:
-    """Family-specific model keys: Wan2.2's low-noise CFG scale and its LoRA-only training."""
+def _check_model(cfg) -> None:
+    """Family-specific model keys: Wan2.2's low-noise CFG scale and its LoRA-only training,
+    and the attention backends a family that masks text tokens can use."""
+    _check_attention_mask_support(cfg)
+    model = cfg.model
     if model.guidance_scale_2 is not None and model.family != "wan22":
         raise ConfigError(
             f"model.guidance_scale_2 is the CFG scale of Wan2.2's low-noise expert; family "

@@ -54,12 +54,30 @@ class MultiReward:
                 except ValueError as err:
                     raise RewardPromptError(f"{source}: {err}") from None
 
-    def __call__(self, images, prompts, metadata=None):
-        """Returns (total (B,), components (B, K), logs {name: (B,)} with every score)."""
+    @property
+    def scores_elsewhere(self) -> bool:
+        """Some reward scores in another process (``submit``: the ``remote`` reward)."""
+        return any(hasattr(m, "submit") for m in self.models)
+
+    def submit(self, images, prompts: list[str]) -> dict:
+        """Start scoring one chunk on every reward that scores elsewhere; returns futures by
+        reward name, for ``__call__(..., pending=[...])`` once all chunks are rolled out."""
+        return {n: m.submit(images, prompts) for n, m in zip(self.names, self.models) if hasattr(m, "submit")}
+
+    def __call__(self, images, prompts, metadata=None, pending: list[dict] | None = None):
+        """Returns (total (B,), components (B, K), logs {name: (B,)} with every score).
+
+        ``pending``: the futures of :meth:`submit` for consecutive chunks covering the whole
+        batch, in order; those rewards' scores are their concatenation (in-process rewards
+        score the whole batch here as always)."""
         logs: dict[str, torch.Tensor] = {}
         columns = []
         for name, model in zip(self.names, self.models):
-            out = model(images, prompts, metadata or {})
+            if pending and name in pending[0]:
+                parts = [chunk[name].result() for chunk in pending]
+                out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            else:
+                out = model(images, prompts, metadata or {})
             if name not in out:
                 raise KeyError(f"reward '{name}' returned keys {sorted(out)}; it must include '{name}'")
             for key, value in out.items():

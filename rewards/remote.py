@@ -117,6 +117,15 @@ class RemoteReward:
                 f"reward server {self.url} ({self.served}): {answer.get('error', 'prompts refused')}"
             )
 
+    def submit(self, images, prompts: list[str]):
+        """Score in a background thread (a Future of ``__call__``'s dict): the request and the
+        server's scoring overlap whatever this process does next, e.g. the next rollout chunk."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if getattr(self, "_pool", None) is None:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="remote-reward")
+        return self._pool.submit(self.__call__, to_tensor_batch(images).detach().cpu().clone(), list(prompts))
+
     def __call__(self, images, prompts, metadata=None) -> dict[str, torch.Tensor]:
         count = to_tensor_batch(images).shape[0]
         if len(prompts) != count:

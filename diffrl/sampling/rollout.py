@@ -180,13 +180,16 @@ def rollout_independent(
     num_steps: int | None = None,
     kinds: list[str] | None = None,
     iteration: int = 0,
+    on_images=None,
 ) -> Trajectory:
     """Independent rollouts for ``keys`` in chunks of ``rollout.batch_size``, decoded.
 
     ``cfg`` is a Config or its :class:`SamplerSettings`. ``cond`` holds one row per key.
     Each path's noise depends only on its key, so the result is the same whatever the
     chunking (tested). ``iteration`` places a sliding SDE window (see
-    :mod:`diffrl.sampling.windows`).
+    :mod:`diffrl.sampling.windows`). ``on_images(indices, images)`` is called with each
+    decoded chunk as soon as it exists (a reward server starts scoring it while the next
+    chunk denoises).
     """
     s = SamplerSettings.of(cfg)
     n = num_steps or s.sampling.num_steps
@@ -208,5 +211,7 @@ def rollout_independent(
         )
         with torch.no_grad():
             traj.images = adapter.decode(traj.latents[:, -1]).float()
+        if on_images is not None:
+            on_images(idx, traj.images)
         parts.append(traj)
     return Trajectory.cat(parts)

@@ -32,6 +32,7 @@ from diffrl.training.data import check_image_column, load_prompts, plan_step
 from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
+from diffrl.training.reward_overlap import overlap_hook
 from diffrl.training.setup import make_accelerator, make_lr_scheduler
 from diffrl.training.sharding import max_over_processes, reshard, shard_frozen_copy
 from diffrl.training.stages import Credit, Rollout
@@ -180,13 +181,13 @@ class Trainer:
         clock = StageClock(self.acc.device)
         # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
         weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
+        overlap, pending = overlap_hook(self.reward_fn, self.strategy, local.prompts)  # remote rewards
+        args = (self.adapter, self.rollout_model, cond, local.keys, self.sampler_settings)
         with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights:
-            traj = self.strategy(
-                self.adapter, self.rollout_model, cond, local.keys, self.sampler_settings, iteration=step
-            )
+            traj = self.strategy(*args, iteration=step, **overlap)
         reshard(self.model)  # FSDP: the update must gather the live weights, not the rollout's
         with clock.stage("reward"):
-            total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys})
+            total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys}, pending)
         return Rollout(traj, cond, local.group_ids, total, comps, logs, clock.metrics, traj.nfe)
 
     def samples_with_old_policy(self) -> bool:

@@ -158,8 +158,9 @@ def test_a_slow_server_times_out_and_garbage_is_named():
 
 
 def test_a_training_run_through_the_server_equals_the_in_process_run(shapeworld_server, tmp_path):
-    """Two iterations of the tiny toy run, scored in process and through the server: the same
-    rewards, losses and weights (the wire is float32)."""
+    """Two iterations of the tiny toy run, scored in process and through the server, whose
+    scoring overlaps the rollout chunk by chunk: the same rewards, losses and weights (the
+    wire is float32, and chunking does not change a sample)."""
     import json as json_module
 
     from diffrl.training.trainer import Trainer
@@ -168,10 +169,18 @@ def test_a_training_run_through_the_server_equals_the_in_process_run(shapeworld_
     url, _ = shapeworld_server
     remote = f"rewards={json_module.dumps([{'name': 'remote', 'weight': 1.0, 'args': {'url': url}}])}"
     local = Trainer(quick_config("tiny_toy_flowgrpo", tmp_path / "local"))
-    served = Trainer(quick_config("tiny_toy_flowgrpo", tmp_path / "served", remote))
+    chunks = "rollout.batch_size=2"  # each decoded chunk of 2 goes to the server during the rollout
+    served = Trainer(quick_config("tiny_toy_flowgrpo", tmp_path / "served", remote, chunks))
+    submitted = []
+    submit = served.reward_fn.submit
+    served.reward_fn.submit = lambda images, prompts: (
+        submitted.append(len(prompts)) or submit(images, prompts)
+    )
     for a, b in zip(local.fit(), served.fit(), strict=True):
         assert a["reward/mean"] == b["reward/mean"] and a["loss"] == b["loss"]
         assert a["reward/shapeworld_strict/mean"] == b["reward/shapeworld_strict/mean"]
+    samples = served.cfg.rollout.prompts_per_step * served.cfg.rollout.group_size
+    assert submitted == [2] * (2 * samples // 2)  # 2 iterations, every chunk scored as it was decoded
     for (name, p), (_, q) in zip(
         local.policy.trainable_named_parameters(), served.policy.trainable_named_parameters(), strict=True
     ):
