@@ -56,13 +56,15 @@ class MultiReward:
 
     @property
     def scores_elsewhere(self) -> bool:
-        """Some reward scores in another process (``submit``: the ``remote`` reward)."""
-        return any(hasattr(m, "submit") for m in self.models)
+        """Some reward scores in another process while the rollout runs (the ``remote`` reward
+        with ``overlap``)."""
+        return any(getattr(m, "overlaps_rollout", False) for m in self.models)
 
     def submit(self, images, prompts: list[str]) -> dict:
         """Start scoring one chunk on every reward that scores elsewhere; returns futures by
         reward name, for ``__call__(..., pending=[...])`` once all chunks are rolled out."""
-        return {n: m.submit(images, prompts) for n, m in zip(self.names, self.models) if hasattr(m, "submit")}
+        models = zip(self.names, self.models)
+        return {n: m.submit(images, prompts) for n, m in models if getattr(m, "overlaps_rollout", False)}
 
     def __call__(self, images, prompts, metadata=None, pending: list[dict] | None = None):
         """Returns (total (B,), components (B, K), logs {name: (B,)} with every score).

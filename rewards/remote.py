@@ -75,6 +75,9 @@ def encode_scores(scores: dict[str, torch.Tensor], name: str) -> bytes:
 class RemoteReward:
     """Registered as ``remote``: POSTs each batch to a reward server's ``/score``.
 
+    With ``overlap`` (the default) the trainer sends each rollout chunk as soon as it is
+    decoded (:meth:`submit`), so the server scores while the next chunk denoises.
+
     The optimised score is the served reward's own (its name is fetched from ``/info`` at
     start-up, which also fails fast when nothing listens at ``url``); the served reward's
     other scores are logged under their own names. ``check_prompts`` asks the server, so a
@@ -90,6 +93,7 @@ class RemoteReward:
         retries: int = 2,
         backoff: float = 1.0,
         wire_dtype: str = "float32",
+        overlap: bool = True,
     ):
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(
@@ -98,12 +102,9 @@ class RemoteReward:
         if not (timeout > 0 and retries >= 0 and backoff >= 0):
             raise ValueError("remote: timeout must be > 0, retries and backoff >= 0")
         self.url = url.rstrip("/")
-        self.timeout, self.retries, self.backoff, self.wire_dtype = (
-            float(timeout),
-            int(retries),
-            backoff,
-            wire_dtype,
-        )
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        self.wire_dtype = wire_dtype
+        self.overlaps_rollout = bool(overlap)  # false: score after the rollout, as in-process rewards
         self.served = self._info()["reward"]
 
     def _info(self) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -39,8 +40,12 @@ class BatchingScorer:
     """Scores jobs from many threads in batches on one thread (the reward is not assumed
     to be thread-safe)."""
 
-    def __init__(self, reward, max_batch: int = 64, max_wait_ms: float = 5.0):
+    def __init__(
+        self, reward, max_batch: int = 64, max_wait_ms: float = 5.0, latency_ms_per_image: float = 0.0
+    ):
         self.reward, self.max_batch, self.max_wait = reward, int(max_batch), max_wait_ms / 1000
+        # benchmarks only: a reward model on another device, which costs wall time, not CPU here
+        self.latency = latency_ms_per_image / 1000
         self.jobs: queue.Queue[_Job] = queue.Queue()
         self.batches = 0  # scoring calls made (a test reads it to see batching happen)
         threading.Thread(target=self._loop, daemon=True, name="reward-scorer").start()
@@ -76,6 +81,7 @@ class BatchingScorer:
                 prompts = [p for j in jobs for p in j.prompts]
                 with torch.no_grad():
                     out = self.reward(images, prompts, {})
+                time.sleep(self.latency * len(images))
                 self.batches += 1
                 start = 0
                 for job in jobs:

@@ -29,6 +29,13 @@ def parse_args(argv=None):
     parser.add_argument(
         "--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests"
     )
+    parser.add_argument(
+        "--latency-ms-per-image",
+        type=float,
+        default=0.0,
+        help="benchmarks only: add this wall time per scored image, standing in for a reward model "
+        "on another GPU or machine (sleeps, using no CPU here)",
+    )
     return parser.parse_args(argv)
 
 
@@ -52,7 +59,10 @@ def main(argv=None) -> None:
     name, reward = build_reward(args.reward)
     if args.device and hasattr(reward, "to"):
         reward.to(args.device)
-    server = serve(reward, name, args.host, args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+    batching = dict(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+    server = serve(
+        reward, name, args.host, args.port, latency_ms_per_image=args.latency_ms_per_image, **batching
+    )
     host, port = server.server_address[:2]
     print(f"serving reward '{name}' on http://{host}:{port} (batches of up to {args.max_batch})", flush=True)
     try:
