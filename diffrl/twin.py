@@ -21,7 +21,13 @@ import json
 
 # what every smoke or measurement run switches off: evaluation, checkpoints, trackers
 QUIET_RUN = ("eval.every=0", "eval.at_start=false", "checkpoint.every=0", "logging.trackers=[]")
-WEIGHT_FREE = ("jpeg_compressibility", "jpeg_incompressibility", "shapeworld", "shapeworld_edit")
+WEIGHT_FREE = (
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "shapeworld",
+    "shapeworld_edit",
+    "shapeworld_video",
+)
 _STAND_INS = ("jpeg_compressibility", "jpeg_incompressibility")
 
 

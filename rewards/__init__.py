@@ -21,6 +21,7 @@ _FACTORIES: dict[str, str] = {
     "jpeg_incompressibility": "rewards.jpeg:JpegIncompressibility",
     "shapeworld": "rewards.shapeworld:ShapeWorldVerifier",
     "shapeworld_edit": "rewards.shapeworld.editing:ShapeWorldEditVerifier",
+    "shapeworld_video": "rewards.shapeworld.video:ShapeWorldVideoVerifier",
     "remote": "rewards.remote:RemoteReward",
     "hpsv2": "rewards.hps:HPSv2",
     "hpsv21": "rewards.hps:HPSv21",
