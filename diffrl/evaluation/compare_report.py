@@ -77,7 +77,8 @@ def write_jsonl(tiles, path: Path) -> None:
             fh.write(
                 json.dumps(
                     {
-                        "prompt": t.prompt,
+                        "prompt": str(t.prompt),
+                        "image": getattr(t.prompt, "image", None),  # an editing prompt's source
                         "prompt_index": t.prompt_index,
                         "seed": t.seed,
                         "checkpoint": t.column,
@@ -133,7 +134,9 @@ def write_html(tiles, columns: list[str], rewards: list[str], path: Path, title:
     body = []
     for p, s in rows:
         first = by_key[(p, s, columns[0])]
-        cells = [f"<td>{html.escape(first.prompt)}</td>", f"<td data-v='{s}'>{s}</td>"]
+        source = getattr(first.prompt, "image", None)  # an editing prompt names its input image
+        label = first.prompt + (f" [{Path(source).name}]" if source else "")
+        cells = [f"<td>{html.escape(label)}</td>", f"<td data-v='{s}'>{s}</td>"]
         for c in columns:
             t = by_key[(p, s, c)]
             text = "<br>".join(f"{html.escape(k)} {v:.4g}" for k, v in t.scores.items() if k in rewards)
