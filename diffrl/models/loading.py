@@ -188,6 +188,11 @@ class PipelineAdapter(FlowAdapter):
             transformer, torch.cat([latents, latents]), torch.cat([sigma, sigma]), both
         ).float()
         v_uncond, v_cond = out.chunk(2)
+        return self._combine_cfg(v_uncond, v_cond, sigma)
+
+    def _combine_cfg(self, v_uncond, v_cond, sigma) -> torch.Tensor:
+        """The guided velocity from its two fp32 halves; families whose pipelines combine
+        differently (Qwen-Image's norm rescale, Wan2.2's per-expert scale) override this."""
         return v_uncond + self.cfg.guidance_scale * (v_cond - v_uncond)
 
     def _encoded(self, names: tuple[str, ...], values) -> Conditioning:

@@ -243,22 +243,11 @@ class QwenImageAdapter(PackedLatentAdapter):
             return_dict=False,
         )[0]
 
-    def velocity(
-        self, transformer, latents, sigma, cond: Conditioning, guidance: bool = True
-    ) -> torch.Tensor:
-        """QwenImagePipeline's true CFG as one batched forward over [uncond; cond], in fp32:
-        ``comb = v_u + s (v_c - v_u)``, rescaled per token to the conditional norm,
-        ``v = comb * ||v_c|| / ||comb||`` (norms over the packed channel axis)."""
-        pos = {k: cond.tensors[k] for k in self.cond_keys}
-        has_neg = all(f"negative_{k}" in cond.tensors for k in self.cond_keys)
-        if not (guidance and self.do_cfg and has_neg):
-            return self._forward(transformer, latents, sigma, pos).float()
-        both = {k: torch.cat([cond.tensors[f"negative_{k}"], pos[k]]) for k in self.cond_keys}
-        out = self._forward(
-            transformer, torch.cat([latents, latents]), torch.cat([sigma, sigma]), both
-        ).float()
-        v_uncond, v_cond = out.chunk(2)
-        comb = v_uncond + self.cfg.guidance_scale * (v_cond - v_uncond)
+    def _combine_cfg(self, v_uncond, v_cond, sigma) -> torch.Tensor:
+        """QwenImagePipeline's true CFG, in fp32: ``comb = v_u + s (v_c - v_u)``, rescaled per
+        token to the conditional norm, ``v = comb * ||v_c|| / ||comb||`` (norms over the packed
+        channel axis)."""
+        comb = super()._combine_cfg(v_uncond, v_cond, sigma)
         return comb * (v_cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

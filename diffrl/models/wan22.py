@@ -208,20 +208,9 @@ class Wan22Adapter(WanAdapter):
         high = self._experts.uses_high(sigma.float() * self.pipe.scheduler.config.num_train_timesteps)
         return torch.where(high, float(self.cfg.guidance_scale), float(low_scale)).to(sigma.device)
 
-    def velocity(self, transformer, latents, sigma, cond, guidance: bool = True) -> torch.Tensor:
-        """CFG as in :class:`PipelineAdapter`, with each sample's own expert's scale."""
-        pos = cond.tensors["prompt_embeds"]
-        neg = cond.tensors.get("negative_prompt_embeds")
-        if not (guidance and self.do_cfg and neg is not None):
-            return self._forward(transformer, latents, sigma, {"prompt_embeds": pos}).float()
-        out = self._forward(
-            transformer,
-            torch.cat([latents, latents]),
-            torch.cat([sigma, sigma]),
-            {"prompt_embeds": torch.cat([neg, pos])},
-        ).float()
-        v_uncond, v_cond = out.chunk(2)
-        scale = self.guidance_scales(sigma).view(-1, *[1] * (latents.ndim - 1))
+    def _combine_cfg(self, v_uncond, v_cond, sigma) -> torch.Tensor:
+        """CFG with each sample's own expert's scale (:meth:`guidance_scales`)."""
+        scale = self.guidance_scales(sigma).view(-1, *[1] * (v_cond.ndim - 1))
         return v_uncond + scale * (v_cond - v_uncond)
 
     # -- LoRA I/O ----------------------------------------------------------------------
