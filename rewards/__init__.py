@@ -29,6 +29,7 @@ _FACTORIES: dict[str, str] = {
     "pickscore": "rewards.pickscore:PickScore",
     "clipscore": "rewards.clipscore:CLIPScore",
     "aesthetic": "rewards.aesthetic:LaionAesthetic",
+    "ocr": "rewards.ocr:OCRReward",
     "video_frames": "rewards.video:FrameReward",
     "temporal_consistency": "rewards.video:TemporalConsistency",
 }

@@ -116,8 +116,13 @@ def local_file(reward: str, path: str, fetch: str) -> str:
     return path
 
 
-def hf_pretrained(reward: str, cls, spec: str, arg: str = "pretrained", **kwargs):
-    """``cls.from_pretrained(spec)`` for a local directory or a hub id, with one clear error."""
+def hf_pretrained(
+    reward: str, cls, spec: str, arg: str = "pretrained", unused: tuple[str, ...] = (), **kwargs
+):
+    """``cls.from_pretrained(spec)`` for a local directory or a hub id, with one clear error.
+
+    ``unused``: prefixes of parameters the model builds but the reward never runs (TrOCR's
+    checkpoints have no ViT pooler), which may therefore be missing from the checkpoint."""
     fetch = (
         f"Download it with `hf download {spec} --local-dir DIR` and pass {arg}='DIR'"
         if looks_like_hub_id(spec)
@@ -133,8 +138,8 @@ def hf_pretrained(reward: str, cls, spec: str, arg: str = "pretrained", **kwargs
     if not kwargs.get("output_loading_info"):
         return loaded
     model, info = loaded
-    if info.get("missing_keys"):  # a reward with randomly initialised layers is silently wrong
-        missing = sorted(info["missing_keys"])
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(unused))
+    if missing:  # a reward with randomly initialised layers is silently wrong
         raise ValueError(
             f"{reward}: '{spec}' lacks weights for {len(missing)} parameters, e.g. {missing[:3]}"
         )
