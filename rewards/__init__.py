@@ -30,6 +30,7 @@ _FACTORIES: dict[str, str] = {
     "clipscore": "rewards.clipscore:CLIPScore",
     "aesthetic": "rewards.aesthetic:LaionAesthetic",
     "ocr": "rewards.ocr:OCRReward",
+    "vlm_judge": "rewards.vlm_judge:VLMJudge",
     "video_frames": "rewards.video:FrameReward",
     "temporal_consistency": "rewards.video:TemporalConsistency",
 }
