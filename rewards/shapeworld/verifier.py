@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rewards import geneval_rules as rules
+from rewards.geneval_rules import Found, Requirement, Task
 from rewards.images import RewardInputError, to_tensor_batch
 from rewards.shapeworld import grammar
 from rewards.shapeworld.fidelity import fidelity
@@ -34,6 +36,7 @@ class Detection:
     cy: float
     area: int
     fill: float
+    box: tuple[int, int, int, int] = (0, 0, 0, 0)  # pixel extent (x0, y0, x1, y1), inclusive
 
 
 @dataclass
@@ -125,8 +128,9 @@ def _components(comp: torch.Tensor, labels: torch.Tensor, min_pixels: int) -> li
     def extent(v, reduce, init):
         return torch.full((n,), init, dtype=torch.long).scatter_reduce(0, inverse, v, reduce)
 
-    bw = extent(xs, "amax", -1) - extent(xs, "amin", w) + 1
-    bh = extent(ys, "amax", -1) - extent(ys, "amin", h) + 1
+    x0, x1 = extent(xs, "amin", w), extent(xs, "amax", -1)
+    y0, y1 = extent(ys, "amin", h), extent(ys, "amax", -1)
+    bw, bh = x1 - x0 + 1, y1 - y0 + 1
     colour = labels.flatten()[uniq % (h * w)]  # ids are linear indices over the batch
     out = []
     for k in range(n):
@@ -141,49 +145,59 @@ def _components(comp: torch.Tensor, labels: torch.Tensor, min_pixels: int) -> li
                 float(sum_y[k] / area[k]),
                 int(area[k]),
                 round(fill, 3),
+                (int(x0[k]), int(y0[k]), int(x1[k]), int(y1[k])),
             )
         )
     return out
 
 
-def _as_box(d: Detection) -> Placed:
-    """A zero-size box at the centroid, so relations use the renderer's own rule."""
-    return Placed(d.colour, d.shape, d.cx, d.cy, 0)
+def as_found(d: Detection) -> Found:
+    """A zero-size box at the centroid: ShapeWorld relations compare centroids."""
+    return Found((d.cx, d.cy, d.cx, d.cy), colour=d.colour)
+
+
+def _centroids_relate(margin: float):
+    def holds(a: Found, b: Found, relation: str) -> bool:
+        (ax, ay, _, _), (bx, by, _, _) = a.box, b.box
+        return relation_holds(Placed("", "", ax, ay, 0), Placed("", "", bx, by, 0), relation, margin)
+
+    return holds
+
+
+def as_task(spec: grammar.Spec, prompt: str) -> Task:
+    """The ShapeWorld spec as GenEval requirements: each (colour, shape) is a class, and a
+    relation puts group 0 relative to group 1."""
+    include = tuple(
+        Requirement(
+            f"{g.colour} {g.shape}",
+            g.count,
+            position=(spec.relation, 1) if spec.relation and i == 0 else None,
+            label=g.text(),
+        )
+        for i, g in enumerate(spec.groups)
+    )
+    return Task(prompt, spec.kind, include)
 
 
 def verify(prompt: str, detections: list[Detection], margin: float = 2.0) -> Verdict:
-    """Score one image's detections against ``prompt`` (0 with a reason if unparseable)."""
+    """Score one image's detections against ``prompt`` (0 with a reason if unparseable),
+    by the shared GenEval rules with ShapeWorld's settings (:data:`rules.SHAPEWORLD`)."""
     try:
         spec = grammar.parse(prompt)
     except grammar.PromptGrammarError as err:
         return Verdict(prompt, 0.0, 0.0, detections=detections, reason=str(err))
-    clauses = []
-    found = {g.thing: [d for d in detections if (d.colour, d.shape) == g.thing] for g in spec.groups}
-    for g in spec.groups:
-        clauses.append(
-            {
-                "clause": f"exactly {g.text()}",
-                "ok": len(found[g.thing]) == g.count,
-                "found": len(found[g.thing]),
-            }
-        )
-    if spec.relation:
-        a, b = spec.groups
-        ok = any(
-            relation_holds(_as_box(da), _as_box(db), spec.relation, margin)
-            for da in found[a.thing]
-            for db in found[b.thing]
-        )
-        clauses.append({"clause": f"{a.text()} {spec.relation} {b.text()}", "ok": ok})
-    satisfied = sum(c["ok"] for c in clauses)
-    return Verdict(
-        prompt,
-        float(satisfied == len(clauses)),
-        satisfied / len(clauses),
-        clauses,
-        detections,
-        kind=spec.kind,
+    by_class: dict[str, list[Found]] = {}
+    for d in detections:
+        by_class.setdefault(f"{d.colour} {d.shape}", []).append(as_found(d))
+    judged = rules.judge(
+        as_task(spec, prompt), by_class, _no_colour_clauses, _centroids_relate(margin), rules.SHAPEWORLD
     )
+    clauses = [{k: v for k, v in c.items() if k != "credit"} for c in judged.clauses]
+    return Verdict(prompt, float(judged.correct), judged.fraction, clauses, detections, kind=spec.kind)
+
+
+def _no_colour_clauses(found, cls):  # colour is part of a ShapeWorld class, never asked apart
+    raise AssertionError("ShapeWorld tasks have no colour clauses")
 
 
 NAN = float("nan")
