@@ -31,6 +31,7 @@ _FACTORIES: dict[str, str] = {
     "aesthetic": "rewards.aesthetic:LaionAesthetic",
     "ocr": "rewards.ocr:OCRReward",
     "vlm_judge": "rewards.vlm_judge:VLMJudge",
+    "geneval": "rewards.geneval:GenEval",
     "video_frames": "rewards.video:FrameReward",
     "temporal_consistency": "rewards.video:TemporalConsistency",
 }

@@ -35,7 +35,7 @@ POSITIONS = ("left of", "right of", "above", "below")
 class Requirement:
     """``count`` objects of ``cls`` (at least or exactly, by the rule set), optionally of
     ``colour``, optionally in ``position = (relation, index of the target include)``.
-    ``label`` is how clauses name the group (``"a red circle"``); default ``"{count} {cls}"``."""
+    ``label`` is how clauses name the group (``"a red circle"``); default "a dog" / "2 dogs"."""
 
     cls: str
     count: int
@@ -44,7 +44,9 @@ class Requirement:
     label: str = ""
 
     def name(self) -> str:
-        return self.label or f"{self.count} {self.cls}"
+        if self.label:
+            return self.label
+        return article(self.cls) if self.count == 1 else f"{self.count} {plural(self.cls)}"
 
 
 @dataclass(frozen=True)

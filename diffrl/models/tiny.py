@@ -48,12 +48,15 @@ def _merge_chain(symbols: list[str], vocab: dict[str, int], merges: list[tuple[s
         vocab.setdefault(current, len(vocab))
 
 
-def clip_tokenizer(model_max_length: int = 77):
-    """CLIPTokenizer: byte-level BPE (every byte, with and without ``</w>``) plus word merges."""
+def clip_tokenizer(model_max_length: int = 77, specials_last: bool = False):
+    """CLIPTokenizer: byte-level BPE (every byte, with and without ``</w>``) plus word merges.
+
+    ``specials_last`` puts the start/end tokens after the merges, as the real vocabulary does
+    (49406, 49407): OWL-ViT/OWLv2 treat a query whose first id is 0 as padding."""
     from transformers import CLIPTokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    vocab = {} if specials_last else {"<|startoftext|>": 0, "<|endoftext|>": 1}
     byte_chars = list(bytes_to_unicode().values())
     for suffix in ("", "</w>"):
         for ch in byte_chars:
@@ -63,6 +66,8 @@ def clip_tokenizer(model_max_length: int = 77):
     for word in COMMON_WORDS:
         if len(word) > 1:
             _merge_chain(list(word[:-1]) + [word[-1] + "</w>"], vocab, merges, seen)
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab.setdefault(special, len(vocab))
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 

@@ -1,0 +1,167 @@
+"""The models behind the ``geneval`` reward: an open-vocabulary detector, a CLIP colour
+classifier, GenEval's detection filter, and the ShapeWorld pixel detector as their offline
+twin. GenEval detects with an mmdetection Mask2Former and names colours with CLIP ViT-L/14
+zero-shot on the detected crops; mmdetection does not install on current stacks, so the
+detector is any transformers zero-shot detector (OWLv2 by default, Minderer et al. 2023,
+arXiv:2306.09683), queried with the classes the caption names, and the colour classifier is
+a transformers ``CLIPModel`` (``openai/clip-vit-large-patch14``, the weights open_clip's
+``ViT-L-14``/``openai`` loads) with GenEval's three colour templates averaged as
+clip_benchmark's zero-shot classifier does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from rewards import geneval_rules as rules
+from rewards.clip_common import (
+    hf_image_embeds,
+    hf_pretrained,
+    hf_text_embeds,
+    hf_text_max_length,
+    hf_tokenize,
+    image_size_of,
+    normalize,
+    resize_shortest_and_center_crop,
+)
+from rewards.geneval_rules import Found
+from rewards.images import to_uint8_hwc
+
+COLOUR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a photo of a {c} object")
+
+
+def box_iou(a, b) -> float:
+    """GenEval's ``compute_iou`` (integer-pixel boxes: a side spans ``x1 - x0 + 1``)."""
+
+    def area(box):
+        return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
+
+    inter = area((max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])))
+    union = area(a) + area(b) - inter
+    return inter / union if union else 0.0
+
+
+def keep(candidates: list[Found], threshold: float, max_objects: int, max_overlap: float) -> list[Found]:
+    """GenEval's per-class filter: above ``threshold``, most confident first, at most
+    ``max_objects``, then greedy suppression of boxes with IoU >= ``max_overlap``."""
+    ordered = sorted((f for f in candidates if f.score > threshold), key=lambda f: -f.score)[:max_objects]
+    kept = []
+    while ordered:
+        best = ordered.pop(0)
+        kept.append(best)
+        if max_overlap < 1:
+            ordered = [f for f in ordered if box_iou(best.box, f.box) < max_overlap]
+    return kept
+
+
+class OwlDetector:
+    """Open-vocabulary boxes from a transformers zero-shot detector (OWLv2/OWL-ViT)."""
+
+    def __init__(self, pretrained: str, device, dtype):
+        from transformers import AutoModelForZeroShotObjectDetection, AutoProcessor
+
+        self.model = hf_pretrained(
+            "geneval",
+            AutoModelForZeroShotObjectDetection,
+            pretrained,
+            arg="detector",
+            output_loading_info=True,
+        )
+        self.processor = hf_pretrained("geneval", AutoProcessor, pretrained, arg="detector")
+        self.device, self.dtype = device, dtype
+
+    @torch.no_grad()
+    def __call__(self, pixels: torch.Tensor, classes: list[str]) -> list[dict[str, list[Found]]]:
+        """Every candidate box of each image, by the class whose query it matches best."""
+        pil = [Image.fromarray(a) for a in to_uint8_hwc(pixels)]
+        queries = [[f"a photo of {rules.article(c)}" for c in classes]] * len(pil)
+        inputs = self.processor(text=queries, images=pil, return_tensors="pt")
+        inputs = {
+            k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()
+        }
+        outputs = self.model(**inputs)
+        side = max(pixels.shape[-2:])  # OWLv2 pads to a square before resizing; boxes are in it
+        found = self.processor.post_process_grounded_object_detection(
+            outputs, threshold=0.0, target_sizes=[(side, side)] * len(pil)
+        )
+        out = []
+        for image in found:
+            per_class: dict[str, list[Found]] = {}
+            for box, score, label in zip(
+                image["boxes"].tolist(), image["scores"].tolist(), image["labels"].tolist()
+            ):
+                per_class.setdefault(classes[label], []).append(Found(tuple(box), float(score)))
+            out.append(per_class)
+        return out
+
+
+class ClipColours:
+    """GenEval's colour classifier: CLIP zero-shot over its colour words on each box's crop,
+    with the three templates' normalised text embeddings averaged per colour."""
+
+    def __init__(self, pretrained: str, device, dtype, colours=rules.GENEVAL_COLOURS):
+        from transformers import AutoTokenizer, CLIPModel
+
+        self.model = hf_pretrained("geneval", CLIPModel, pretrained, arg="clip", output_loading_info=True)
+        self.tokenizer = hf_pretrained("geneval", AutoTokenizer, pretrained, arg="clip")
+        self.image_size = image_size_of(self.model.config.vision_config.image_size)
+        self.max_length = hf_text_max_length(self.tokenizer, self.model)
+        self.device, self.dtype, self.colours = device, dtype, tuple(colours)
+        self._classifiers: dict[str, torch.Tensor] = {}
+
+    def classifier(self, cls: str) -> torch.Tensor:
+        """(colours, D) unit text embeddings for ``cls``, cached per class."""
+        if cls not in self._classifiers:
+            rows = []
+            for colour in self.colours:
+                texts = [t.format(c=colour, cls=cls) for t in COLOUR_TEMPLATES]
+                emb = hf_text_embeds(
+                    self.model, hf_tokenize(self.tokenizer, texts, self.max_length, self.device)
+                )
+                rows.append(F.normalize(F.normalize(emb.float(), dim=-1).mean(0), dim=-1))
+            self._classifiers[cls] = torch.stack(rows)
+        return self._classifiers[cls]
+
+    @torch.no_grad()
+    def __call__(self, image: torch.Tensor, found: list[Found], cls: str) -> list[str]:
+        if not found:
+            return []
+        crops = [self.preprocess(crop(image, f.box)) for f in found]
+        embeds = F.normalize(hf_image_embeds(self.model, torch.cat(crops).to(self.dtype)).float(), dim=-1)
+        return [self.colours[i] for i in (embeds @ self.classifier(cls).T).argmax(-1).tolist()]
+
+    def preprocess(self, pixels: torch.Tensor) -> torch.Tensor:
+        return normalize(resize_shortest_and_center_crop(pixels[None].to(self.device), self.image_size))
+
+
+def crop(image: torch.Tensor, box) -> torch.Tensor:
+    """``PIL.Image.crop(box)`` on a (3, H, W) tensor: rounded corners, at least one pixel."""
+    h, w = image.shape[-2:]
+    x0, y0 = min(max(round(box[0]), 0), w - 1), min(max(round(box[1]), 0), h - 1)
+    x1, y1 = max(min(round(box[2]), w), x0 + 1), max(min(round(box[3]), h), y0 + 1)
+    return image[:, y0:y1, x0:x1]
+
+
+class ShapeWorldDetector:
+    """The ShapeWorld pixel detector (:func:`rewards.shapeworld.verifier.detect`) as a GenEval
+    detector: classes are shapes, every detection has confidence 1 and its palette colour,
+    and boxes are pixel extents (exclusive right/bottom edges, as continuous boxes)."""
+
+    def __call__(self, pixels: torch.Tensor, classes: list[str]) -> list[dict[str, list[Found]]]:
+        from rewards.shapeworld.verifier import detect
+
+        out = []
+        for detections in detect(pixels.float().cpu()):
+            per_class: dict[str, list[Found]] = {}
+            for d in detections:
+                x0, y0, x1, y1 = d.box
+                per_class.setdefault(d.shape, []).append(Found((x0, y0, x1 + 1, y1 + 1), 1.0, d.colour))
+            out.append(per_class)
+        return out
+
+
+def known_colours(image: torch.Tensor, found: list[Found], cls: str) -> list[str]:
+    """The colours a detector already knows (ShapeWorld's palette)."""
+    return [f.colour for f in found]

@@ -1,0 +1,406 @@
+"""The ``geneval`` reward and the GenEval rules it shares with the ShapeWorld verifier.
+
+References: GenEval's published formulas transcribed here independently (the position
+rule in numpy, the caption templates of its ``create_prompts.py``), hand-made detections
+with known verdicts, drawn ShapeWorld scenes, and by-hand decodes of a tiny OWLv2 and a
+tiny CLIP written in their ``save_pretrained`` formats.
+"""
+
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewards
+from diffrl.models import tiny
+from rewards import geneval_rules as rules
+from rewards.clip_common import MissingRewardWeightsError
+from rewards.geneval import GenEval
+from rewards.geneval_models import COLOUR_TEMPLATES, ClipColours, OwlDetector, box_iou, crop, keep
+from rewards.geneval_rules import Found, Requirement
+from rewards.shapeworld.render import Placed, draw
+
+# ----------------------------------------------------------------------------- position rule
+
+
+def geneval_position_numpy(box_a, box_b, threshold=0.1):
+    """GenEval's relative_position, from its published description, in numpy."""
+    boxes = np.array([box_a, box_b], dtype=np.float64).reshape(2, 2, 2)
+    centre_a, centre_b = boxes.mean(axis=-2)
+    dim_a, dim_b = np.abs(np.diff(boxes, axis=-2))[..., 0, :]
+    offset = centre_a - centre_b
+    revised = np.maximum(np.abs(offset) - threshold * (dim_a + dim_b), 0) * np.sign(offset)
+    if np.all(np.abs(revised) < 1e-3):
+        return set()
+    dx, dy = revised / np.linalg.norm(offset)
+    return {
+        n
+        for n, ok in (
+            ("left of", dx < -0.5),
+            ("right of", dx > 0.5),
+            ("above", dy < -0.5),
+            ("below", dy > 0.5),
+        )
+        if ok
+    }
+
+
+def test_relative_position_matches_the_numpy_transcription():
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(2000):
+        a = sorted(rng.uniform(0, 100) for _ in range(2)), sorted(rng.uniform(0, 100) for _ in range(2))
+        b = sorted(rng.uniform(0, 100) for _ in range(2)), sorted(rng.uniform(0, 100) for _ in range(2))
+        box_a, box_b = (a[0][0], a[1][0], a[0][1], a[1][1]), (b[0][0], b[1][0], b[0][1], b[1][1])
+        got = rules.relative_position(box_a, box_b)
+        assert got == geneval_position_numpy(box_a, box_b), (box_a, box_b)
+        seen |= got
+    assert seen == set(rules.POSITIONS)
+    assert rules.relative_position((0, 0, 10, 10), (20, 0, 30, 10)) == {"left of"}
+    assert rules.relative_position((0, 0, 10, 10), (1, 0, 11, 10)) == set()  # within 10 % of the sizes: none
+
+
+# ----------------------------------------------------------------------------- captions
+
+
+def generated_caption(rng):
+    """A caption and its metadata, by the six templates of GenEval's create_prompts.py."""
+    classes, colours = rules.COCO_CLASSES, rules.GENEVAL_COLOURS
+    a, b = rng.sample(classes, 2)
+    ca, cb = rng.sample(colours, 2)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return f"a photo of {rules.article(a)}", [Requirement(a, 1)], []
+    if kind == 1:
+        return (
+            f"a photo of {rules.article(a)} and {rules.article(b)}",
+            [Requirement(a, 1), Requirement(b, 1)],
+            [],
+        )
+    if kind == 2:
+        n = rng.randint(2, 4)
+        word = ["two", "three", "four"][n - 2]
+        return f"a photo of {word} {rules.plural(a)}", [Requirement(a, n)], [Requirement(a, n + 1)]
+    if kind == 3:
+        return f"a photo of {rules.article(ca)} {a}", [Requirement(a, 1, ca)], []
+    if kind == 4:
+        rel = rng.choice(rules.POSITIONS)
+        caption = f"a photo of {rules.article(a)} {rel} {rules.article(b)}"
+        return caption, [Requirement(b, 1), Requirement(a, 1, position=(rel, 0))], []
+    caption = f"a photo of {rules.article(ca)} {a} and {rules.article(cb)} {b}"
+    return caption, [Requirement(a, 1, ca), Requirement(b, 1, cb)], []
+
+
+def test_every_geneval_template_parses_back_to_its_metadata():
+    rng = random.Random(1)
+    tags = set()
+    for _ in range(600):
+        caption, include, exclude = generated_caption(rng)
+        task = rules.parse_caption(caption)
+        assert (list(task.include), list(task.exclude)) == (include, exclude), caption
+        tags.add(task.tag)
+    assert tags == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    # GenEval's own metadata lines load to the same task
+    meta = {
+        "tag": "position",
+        "prompt": "p",
+        "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
+    }
+    assert (
+        rules.Task.from_metadata(meta).include
+        == rules.parse_caption("a photo of a cat left of a dog").include
+    )
+
+
+@pytest.mark.parametrize(
+    "caption", ["a dog", "a photo of a dragon", "a photo of five", "a photo of a red person left of a dog"]
+)
+def test_other_prompts_are_not_captions(caption):
+    with pytest.raises(rules.CaptionError, match="GenEval captions look like"):
+        rules.parse_caption(caption)
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def box(x, y, side=10):
+    return (x, y, x + side, y + side)
+
+
+def judge(task, detected, colours=None, rule=rules.GENEVAL):
+    named = colours or {}
+    return rules.judge(
+        task, detected, lambda found, cls: [named[f.box] for f in found], rules.box_relation(), rule
+    )
+
+
+def test_counting_is_at_least_for_geneval_exact_for_flow_grpo_and_excludes_one_more():
+    task = rules.parse_caption("a photo of two dogs")
+    two = {"dog": [Found(box(0, 0), 0.99), Found(box(50, 0), 0.95)]}
+    three = {"dog": two["dog"] + [Found(box(80, 0), 0.92)]}
+    assert judge(task, two).correct and judge(task, two, rule=rules.FLOW_GRPO).correct
+    assert not judge(task, three).correct  # the exclude clause: fewer than 3 dogs
+    flow = judge(task, three, rule=rules.FLOW_GRPO)
+    assert not flow.correct and flow.credit == pytest.approx(1 - 1 / 2)
+    one = judge(rules.parse_caption("a photo of three dogs"), {"dog": two["dog"][:1]}, rule=rules.FLOW_GRPO)
+    assert one.credit == pytest.approx(1 - 2 / 3)
+
+
+def test_colour_is_judged_on_the_most_confident_objects_only_by_geneval():
+    task = rules.parse_caption("a photo of a red car")
+    cars = {"car": [Found(box(0, 0), 0.9), Found(box(50, 0), 0.5)]}
+    colours = {box(0, 0): "red", box(50, 0): "blue"}
+    assert judge(task, cars, colours).correct  # GenEval looks at the top car only
+    flow = judge(task, cars, colours, rule=rules.FLOW_GRPO)  # two cars where one was asked
+    assert not flow.correct and [c["credit"] for c in flow.clauses] == [0.0, 0.0]
+    wrong = judge(task, {"car": cars["car"][:1]}, {box(0, 0): "blue"})
+    assert not wrong.correct and [c["ok"] for c in wrong.clauses] == [True, False]
+
+
+def test_position_needs_every_pair_and_both_groups():
+    task = rules.parse_caption("a photo of a cat left of a dog")
+    left = {"cat": [Found(box(0, 0))], "dog": [Found(box(50, 0))]}
+    assert judge(task, left).correct
+    right = {"cat": [Found(box(80, 0))], "dog": [Found(box(50, 0))]}
+    assert not judge(task, right).correct and judge(
+        task, right, rule=rules.FLOW_GRPO
+    ).credit == pytest.approx(2 / 3)
+    no_dog = judge(task, {"cat": [Found(box(0, 0))]})
+    assert [c["ok"] for c in no_dog.clauses] == [False, True, False]
+
+
+def test_keep_is_genevals_filter():
+    found = [Found(box(0, 0), s) for s in (0.2, 0.95, 0.5, 0.31)] + [Found(box(1, 0), 0.9)]
+    assert [f.score for f in keep(found, 0.3, 16, 1.0)] == [0.95, 0.9, 0.5, 0.31]
+    assert [f.score for f in keep(found, 0.3, 2, 1.0)] == [0.95, 0.9]
+    assert [f.score for f in keep(found, 0.3, 16, 0.5)] == [0.95]  # the rest overlap the best box
+    assert box_iou((0, 0, 9, 9), (0, 0, 9, 9)) == 1.0 and box_iou(
+        (0, 0, 9, 9), (5, 0, 14, 9)
+    ) == pytest.approx(50 / 150)
+
+
+# ----------------------------------------------------------------------------- ShapeWorld twin
+
+
+def scene(*objects, resolution=64):
+    return torch.from_numpy(draw(list(objects), resolution)).permute(2, 0, 1).float()[None] / 255
+
+
+@pytest.mark.parametrize(
+    "caption, objects, partial, strict, correct",
+    [
+        (
+            "a photo of two circles",
+            [Placed("red", "circle", 5, 5, 12), Placed("blue", "circle", 40, 40, 12)],
+            1,
+            1,
+            1,
+        ),
+        (
+            "a photo of two circles",
+            [
+                Placed("red", "circle", 5, 5, 12),
+                Placed("blue", "circle", 40, 40, 12),
+                Placed("green", "circle", 5, 40, 12),
+            ],
+            0.5,
+            0,
+            0,
+        ),
+        (
+            "a photo of a circle left of a square",
+            [Placed("red", "circle", 5, 20, 12), Placed("blue", "square", 40, 20, 12)],
+            1,
+            1,
+            1,
+        ),
+        (
+            "a photo of a circle left of a square",
+            [Placed("red", "circle", 40, 20, 12), Placed("blue", "square", 5, 20, 12)],
+            2 / 3,
+            0,
+            0,
+        ),
+        ("a photo of a red circle", [Placed("blue", "circle", 5, 20, 12)], 0.5, 0, 0),
+        (
+            "a photo of a red circle and a blue square",
+            [Placed("red", "circle", 5, 20, 12), Placed("blue", "square", 40, 20, 12)],
+            1,
+            1,
+            1,
+        ),
+        ("a photo of a triangle and a square", [Placed("red", "triangle", 5, 20, 12)], 0.5, 0, 0),
+    ],
+)
+def test_shapeworld_twin_scores_drawn_scenes(caption, objects, partial, strict, correct):
+    out = GenEval(detector="shapeworld")(scene(*objects), [caption])
+    assert out["geneval_partial"].item() == pytest.approx(partial)
+    assert (out["geneval_strict"].item(), out["geneval_correct"].item()) == (strict, correct)
+    assert out["geneval"].item() == pytest.approx(partial)  # the default optimises flow-GRPO's partial credit
+
+
+def test_captions_are_checked_up_front_and_score_zero_inside_a_run():
+    reward = rewards.build("geneval", detector="shapeworld", score="geneval")
+    reward.check_prompts(["a photo of two circles"])
+    with pytest.raises(rules.CaptionError, match=r"1 prompt\(s\).*'two red circles'"):
+        reward.check_prompts(["a photo of two circles", "two red circles"])
+    out = reward(scene(Placed("red", "circle", 5, 5, 12)), ["two red circles"])
+    assert out["geneval"].item() == 0.0
+
+
+# ----------------------------------------------------------------------------- OWLv2 + CLIP
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from transformers import (
+        CLIPConfig,
+        CLIPModel,
+        CLIPVisionConfig,
+        Owlv2Config,
+        Owlv2ForObjectDetection,
+        Owlv2ImageProcessor,
+        Owlv2Processor,
+    )
+
+    root = tmp_path_factory.mktemp("geneval")
+    tok = tiny.clip_tokenizer(model_max_length=16, specials_last=True)  # OWL masks queries starting with id 0
+    text = dict(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    with tiny.seeded(0):
+        owl = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32))
+    owl.save_pretrained(root / "owl")
+    Owlv2Processor(
+        image_processor=Owlv2ImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok
+    ).save_pretrained(root / "owl")
+    clip_tok = tiny.clip_tokenizer()
+    clip_cfg = CLIPConfig(
+        text_config=tiny.clip_text_config(clip_tok, projection_dim=16).to_dict(),
+        vision_config=CLIPVisionConfig(**vision, projection_dim=16).to_dict(),
+        projection_dim=16,
+    )
+    with tiny.seeded(1):
+        CLIPModel(clip_cfg).save_pretrained(root / "clip")
+    clip_tok.save_pretrained(root / "clip")
+    return root
+
+
+def test_owl_candidates_equal_a_by_hand_decode(checkpoints):
+    detector = OwlDetector(str(checkpoints / "owl"), torch.device("cpu"), torch.float32)
+    x = torch.rand(2, 3, 40, 56, generator=torch.Generator().manual_seed(0))
+    classes = ["dog", "cat"]
+    got = detector(x, classes)
+    from PIL import Image
+
+    from rewards.images import to_uint8_hwc
+
+    pil = [Image.fromarray(a) for a in to_uint8_hwc(x)]
+    inputs = detector.processor(
+        text=[["a photo of a dog", "a photo of a cat"]] * 2, images=pil, return_tensors="pt"
+    )
+    with torch.no_grad():
+        out = detector.model(**inputs)
+    best, labels = out.logits.max(-1)  # each box goes to its best query (by logit: sigmoids saturate and tie)
+    probs = torch.sigmoid(best)
+    cx, cy, w, h = out.pred_boxes.unbind(-1)
+    corners = (
+        torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1) * 56
+    )  # the padded square's side
+    for i in range(2):
+        expected = {}
+        for b, p, lab in zip(corners[i].tolist(), probs[i].tolist(), labels[i].tolist()):
+            if p > 0:
+                expected.setdefault(classes[lab], []).append((b, p))
+        assert sorted(got[i]) == sorted(expected)
+        for cls in expected:
+            mine = [(list(f.box), f.score) for f in got[i][cls]]
+            for (b1, p1), (b2, p2) in zip(mine, expected[cls]):
+                assert p1 == pytest.approx(p2, abs=1e-6) and b1 == pytest.approx(b2, abs=1e-4)
+
+
+def test_colours_are_clip_zero_shot_with_averaged_templates(checkpoints):
+    colours = ClipColours(str(checkpoints / "clip"), torch.device("cpu"), torch.float32)
+    image = torch.rand(3, 48, 48, generator=torch.Generator().manual_seed(2))
+    found = [
+        Found((0, 0, 20, 30)),
+        Found((10, 5, 48, 48)),
+        Found((30.4, 30.6, 31.0, 31.2)),
+    ]  # the last: one pixel
+    got = colours(image, found, "dog")
+    model, tok = colours.model, colours.tokenizer
+    classifier = []
+    for c in rules.GENEVAL_COLOURS:
+        enc = tok(
+            [t.format(c=c, cls="dog") for t in COLOUR_TEMPLATES],
+            padding="max_length",
+            max_length=77,
+            return_tensors="pt",
+        )
+        with torch.no_grad():
+            text = model.get_text_features(**enc)
+        text = getattr(text, "pooler_output", text)
+        classifier.append(F.normalize(F.normalize(text, dim=-1).mean(0), dim=-1))
+    expected = []
+    for f in found:
+        pixels = colours.preprocess(crop(image, f.box))
+        with torch.no_grad():
+            out = model(pixel_values=pixels, input_ids=enc["input_ids"][:1])
+        expected.append(
+            rules.GENEVAL_COLOURS[
+                int((F.normalize(out.image_embeds, dim=-1) @ torch.stack(classifier).T).argmax())
+            ]
+        )
+    assert got == expected
+    assert crop(image, (30.4, 30.6, 31.0, 31.2)).shape == (3, 1, 1)
+
+
+def test_reward_with_models_is_batch_invariant_and_logs_clauses(checkpoints):
+    reward = GenEval(
+        detector=str(checkpoints / "owl"),
+        clip=str(checkpoints / "clip"),
+        threshold=0.5,
+        counting_threshold=0.5,
+    )
+    x = torch.rand(4, 3, 40, 40, generator=torch.Generator().manual_seed(3))
+    prompts = [
+        "a photo of a red dog",
+        "a photo of a red dog",
+        "a photo of two cats",
+        "a photo of a cat left of a dog",
+    ]
+    metadata = {}
+    out = reward(x, prompts, metadata)
+    assert set(out) == {"geneval", "geneval_partial", "geneval_strict", "geneval_correct"}
+    assert all(torch.isfinite(v).all() and v.shape == (4,) for v in out.values())
+    assert (
+        len(metadata["geneval"]) == 4
+        and metadata["geneval"][3]["geneval"].clauses[-1]["clause"] == "a cat left of a dog"
+    )
+    single = [reward(x[i : i + 1], prompts[i : i + 1]) for i in range(4)]
+    for key in out:
+        torch.testing.assert_close(torch.cat([s[key] for s in single]), out[key])
+
+
+def test_missing_weights_name_the_path_or_the_download(tmp_path, checkpoints):
+    with pytest.raises(MissingRewardWeightsError, match=re.escape(str(tmp_path / "nope"))):
+        GenEval(detector=str(tmp_path / "nope"))
+    with pytest.raises(MissingRewardWeightsError, match="hf download google/owlv2-base-patch16-ensemble"):
+        GenEval()
+    with pytest.raises(MissingRewardWeightsError, match="hf download openai/clip-vit-large-patch14"):
+        GenEval(detector=str(checkpoints / "owl"))
+    with pytest.raises(rewards.RewardArgsError, match="score must be one of partial, strict, geneval"):
+        rewards.build("geneval", detector="shapeworld", score="loose")
