@@ -216,6 +216,15 @@ class RewardSpec:
     name: str = _f("jpeg_compressibility", "Registered reward name (see rewards.available()).")
     weight: float = _f(1.0, "Weight of this reward in the combined score.")
     args: dict = _f({}, "Keyword arguments for the reward's constructor (e.g. weights path).")
+    label: str = _f(
+        "",
+        "The entry's name in logs and scores (default: name); needed when a reward is used twice, "
+        "e.g. two `remote` servers.",
+    )
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
 
 
 @dataclass

@@ -11,17 +11,23 @@ class RewardPromptError(ValueError):
     """A prompt list contains prompts a configured reward cannot score."""
 
 
-def _check_unique(names: list[str]) -> None:
-    if len(set(names)) != len(names):
+def _key(spec) -> str:
+    """An entry's name in scores and logs: its ``label``, else the reward's name."""
+    return getattr(spec, "label", "") or spec.name
+
+
+def _check_unique(keys: list[str]) -> None:
+    if len(set(keys)) != len(keys):
         raise rewards.RewardArgsError(
-            f"rewards: each reward may appear once, got {names}; merge the duplicates into one entry"
+            f"rewards: each entry needs its own name, got {keys}; merge the duplicates into one "
+            "entry, or give each a distinct `label` (e.g. two `remote` servers)"
         )
 
 
 def check_reward_specs(specs) -> None:
     """Everything :class:`MultiReward` checks before it builds, with no weights loaded
     (``--dry-run``): each reward once, known names, known argument names."""
-    _check_unique([s.name for s in specs])
+    _check_unique([_key(s) for s in specs])
     for s in specs:
         rewards.check(s.name, **dict(s.args))
 
@@ -30,7 +36,8 @@ class MultiReward:
     """Build each configured reward once and combine them: total = sum_k w_k r_k."""
 
     def __init__(self, specs):
-        self.names = [s.name for s in specs]
+        self.names = [_key(s) for s in specs]  # keys of scores and logs
+        self.reward_names = [s.name for s in specs]  # the key each reward returns its score under
         _check_unique(self.names)
         self.weights = torch.tensor([float(s.weight) for s in specs])
         self.models = [rewards.build(s.name, **dict(s.args)) for s in specs]
@@ -74,17 +81,27 @@ class MultiReward:
         score the whole batch here as always)."""
         logs: dict[str, torch.Tensor] = {}
         columns = []
-        for name, model in zip(self.names, self.models):
+        for name, reward_name, model in zip(self.names, self.reward_names, self.models):
             if pending and name in pending[0]:
                 parts = [chunk[name].result() for chunk in pending]
                 out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
             else:
                 out = model(images, prompts, metadata or {})
-            if name not in out:
-                raise KeyError(f"reward '{name}' returned keys {sorted(out)}; it must include '{name}'")
-            for key, value in out.items():
+            if reward_name not in out:
+                raise KeyError(
+                    f"reward '{reward_name}' returned keys {sorted(out)}; it must include '{reward_name}'"
+                )
+            for key, value in _relabel(out, reward_name, name).items():
                 logs[key] = value.detach().float().cpu()
             columns.append(logs[name])
         components = torch.stack(columns, dim=1)
         total = (components * self.weights).sum(dim=1)
         return total, components, logs
+
+
+def _relabel(out: dict, reward_name: str, key: str) -> dict:
+    """A labelled entry's scores: the optimised one under the label, the others under
+    ``label/score`` so two entries of one reward never overwrite each other's logs."""
+    if key == reward_name:
+        return out
+    return {(key if k == reward_name else f"{key}/{k}"): v for k, v in out.items()}

@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = [c.name for c in columns]
-    main_reward = cfg.rewards[0].name
+    main_reward = cfg.rewards[0].key
     pages = grid_pages(tiles, names, main_reward, args.rows_per_page, args.scale)
     for i, page in enumerate(pages):
         page.save(out / (f"grid_{i + 1}.png" if len(pages) > 1 else "grid.png"))

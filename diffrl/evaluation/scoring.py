@@ -124,7 +124,7 @@ class EvalSettings:
             return cfg
         steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
         sampler = SamplerSettings.of(cfg)
-        return cls(cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].name)
+        return cls(cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].key)
 
 
 @torch.no_grad()

@@ -416,5 +416,5 @@ class Trainer:
     def headline_metrics(self) -> tuple[str, ...]:
         """Listed first in the summary: a verifier's strict score (``<reward>_strict``, as
         ShapeWorld logs) if there is one, else the first reward."""
-        first = self.cfg.rewards[0].name
+        first = self.cfg.rewards[0].key
         return (f"eval/{first}_strict/mean", f"eval/{first}/mean")

@@ -64,6 +64,32 @@ def test_multireward_weights_and_components():
     torch.testing.assert_close(total, -2.0 * size + 0.5 * size)
 
 
+def test_one_reward_twice_needs_labels_and_logs_each_apart():
+    from diffrl.config import RewardSpec
+
+    twice = [
+        RewardSpec(name="jpeg_compressibility"),
+        RewardSpec(name="jpeg_compressibility", args={"quality": 10}),
+    ]
+    with pytest.raises(rewards.RewardArgsError, match="distinct `label`"):
+        MultiReward(twice)
+    twice[1].label = "jpeg_q10"
+    multi = MultiReward(twice)
+    imgs = torch.rand(2, 3, 16, 16)
+    total, comps, logs = multi(imgs, ["a", "b"])
+    q95, q10 = (
+        rewards.build("jpeg_compressibility")(imgs),
+        rewards.build("jpeg_compressibility", quality=10)(imgs),
+    )
+    torch.testing.assert_close(
+        comps, torch.stack([q95["jpeg_compressibility"], q10["jpeg_compressibility"]], 1)
+    )
+    assert logs["jpeg_size_kb"].equal(q95["jpeg_size_kb"]) and logs["jpeg_q10/jpeg_size_kb"].equal(
+        q10["jpeg_size_kb"]
+    )
+    assert multi.names == ["jpeg_compressibility", "jpeg_q10"] and twice[1].key == "jpeg_q10"
+
+
 class _DeviceRecorder:
     name = "device_recorder"
 
