@@ -27,3 +27,9 @@ def one_line(err: BaseException, max_chars: int = MAX_CHARS) -> str:
         parts.append(f"{type(err).__name__}: {text}" if text else type(err).__name__)
         err = err.__cause__ or err.__context__
     return "; caused by ".join(parts)
+
+
+def some_of(items, limit: int = 5) -> str:
+    """The first ``limit`` items quoted, then how many more: for errors that list bad prompts."""
+    shown = "; ".join(repr(str(i)) for i in items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")

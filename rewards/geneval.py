@@ -25,6 +25,7 @@ import torch
 
 from rewards import geneval_rules as rules
 from rewards.clip_common import ClipReward
+from rewards.errors import some_of
 from rewards.geneval_models import ClipColours, OwlDetector, ShapeWorldDetector, keep, known_colours
 
 SCORES = {"partial": "geneval_partial", "strict": "geneval_strict", "geneval": "geneval_correct"}
@@ -106,9 +107,7 @@ class GenEval(ClipReward):
             except rules.CaptionError:
                 bad.append(p)
         if bad:
-            shown = "; ".join(repr(p) for p in bad[:5]) + (
-                f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            )
+            shown = some_of(bad)
             raise rules.CaptionError(
                 f"geneval reward: {len(bad)} prompt(s) are not GenEval captions: {shown}. "
                 f"{rules.CAPTION_HELP}"

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from rewards.clip_common import ClipReward, hf_pretrained
+from rewards.errors import some_of
 from rewards.images import to_uint8_hwc
 
 # typographic quotes count as the ASCII quote, so "Open" and “Open” give the same target
@@ -111,9 +112,7 @@ class OCRReward(ClipReward):
     def check_prompts(self, prompts: list[str]) -> None:
         bad = [p for p in prompts if quoted_text(p) is None]
         if bad:
-            shown = "; ".join(repr(p) for p in bad[:5]) + (
-                f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            )
+            shown = some_of(bad)
             raise OCRPromptError(
                 f"ocr reward: {len(bad)} prompt(s) quote no text to render: {shown}. Put the text "
                 f'the image must show between double quotes, e.g. a sign that says "OPEN".'

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rewards import geneval_rules as rules
+from rewards.errors import some_of
 from rewards.geneval_rules import Found, Requirement, Task
 from rewards.images import RewardInputError, to_tensor_batch
 from rewards.shapeworld import grammar
@@ -261,9 +262,7 @@ class ShapeWorldVerifier:
             except grammar.PromptGrammarError:
                 bad.append(p)
         if bad:
-            shown = "; ".join(repr(p) for p in bad[:5]) + (
-                f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            )
+            shown = some_of(bad)
             raise grammar.PromptGrammarError(
                 f"shapeworld reward: {len(bad)} prompt(s) outside the grammar: {shown}. "
                 f"{grammar.GRAMMAR_HELP}"
