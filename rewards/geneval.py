@@ -94,6 +94,8 @@ class GenEval(ClipReward):
         for part in (self.detector, self.colours):
             if hasattr(part, "device"):
                 part.device, part.dtype = self.device, self.dtype
+        if isinstance(self.colours, ClipColours):
+            self.colours.forget_classifiers()  # they were computed on the old device / dtype
         return self
 
     def task(self, prompt: str) -> rules.Task:

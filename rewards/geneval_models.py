@@ -111,6 +111,7 @@ class ClipColours:
         self.device, self.dtype, self.colours = device, dtype, tuple(colours)
         self._classifiers: dict[str, torch.Tensor] = {}
 
+    @torch.no_grad()
     def classifier(self, cls: str) -> torch.Tensor:
         """(colours, D) unit text embeddings for ``cls``, cached per class."""
         if cls not in self._classifiers:
@@ -123,6 +124,9 @@ class ClipColours:
                 rows.append(F.normalize(F.normalize(emb.float(), dim=-1).mean(0), dim=-1))
             self._classifiers[cls] = torch.stack(rows)
         return self._classifiers[cls]
+
+    def forget_classifiers(self) -> None:
+        self._classifiers.clear()
 
     @torch.no_grad()
     def __call__(self, image: torch.Tensor, found: list[Found], cls: str) -> list[str]:

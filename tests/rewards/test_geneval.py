@@ -390,6 +390,9 @@ def test_reward_with_models_is_batch_invariant_and_logs_clauses(checkpoints):
         len(metadata["geneval"]) == 4
         and metadata["geneval"][3]["geneval"].clauses[-1]["clause"] == "a cat left of a dog"
     )
+    assert reward.colours._classifiers  # colour classifiers are cached per class...
+    reward.to("cpu", "float32")
+    assert not reward.colours._classifiers  # ...and recomputed after a move
     single = [reward(x[i : i + 1], prompts[i : i + 1]) for i in range(4)]
     for key in out:
         torch.testing.assert_close(torch.cat([s[key] for s in single]), out[key])
