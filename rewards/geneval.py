@@ -102,12 +102,7 @@ class GenEval(ClipReward):
         return rules.parse_caption(prompt, self.classes, self.colour_words)
 
     def check_prompts(self, prompts: list[str]) -> None:
-        bad = []
-        for p in prompts:
-            try:
-                self.task(p)
-            except rules.CaptionError:
-                bad.append(p)
+        bad = [p for p in prompts if _task_or_none(self, p) is None]
         if bad:
             shown = some_of(bad)
             raise rules.CaptionError(
@@ -121,8 +116,13 @@ class GenEval(ClipReward):
         detected = {c: keep(f, threshold, self.max_objects, self.max_overlap) for c, f in candidates.items()}
         detected = {c: f for c, f in detected.items() if f}
 
+        named: dict = {}  # (class, box) -> colour: both rule sets ask about the same boxes
+
         def colours(found, cls):
-            return self.colours(image, list(found), cls)
+            todo = [f for f in found if (cls, f.box) not in named]
+            for f, colour in zip(todo, self.colours(image, todo, cls)):
+                named[(cls, f.box)] = colour
+            return [named[(cls, f.box)] for f in found]
 
         return {
             "geneval": rules.judge(task, detected, colours, self.holds, rules.GENEVAL),

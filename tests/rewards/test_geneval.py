@@ -242,6 +242,19 @@ def test_shapeworld_twin_scores_drawn_scenes(caption, objects, partial, strict, 
     assert out["geneval"].item() == pytest.approx(partial)  # the default optimises flow-GRPO's partial credit
 
 
+def test_each_box_is_coloured_once_for_both_rule_sets():
+    reward = GenEval(detector="shapeworld")
+    asked = []
+    known = reward.colours
+    reward.colours = lambda image, found, cls: asked.extend(found) or known(image, found, cls)
+    out = reward(
+        scene(Placed("red", "circle", 5, 5, 12), Placed("red", "square", 40, 40, 12)),
+        ["a photo of a red circle and a red square"],
+    )
+    assert out["geneval_correct"].item() == 1.0 and out["geneval_strict"].item() == 1.0
+    assert len(asked) == 2  # one circle, one square: not once per rule set
+
+
 def test_captions_are_checked_up_front_and_score_zero_inside_a_run():
     reward = rewards.build("geneval", detector="shapeworld", score="geneval")
     reward.check_prompts(["a photo of two circles"])
