@@ -349,6 +349,11 @@ def run_chunked(
     return {k: torch.cat([p[k] for p in parts]).float().to(batch.device) for k in parts[0]}
 
 
+def to_model(batch, device, dtype) -> dict[str, torch.Tensor]:
+    """A processor's outputs on the model's device, floats in the model's dtype (ids stay integers)."""
+    return {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in batch.items()}
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise cosine of L2-normalised features, computed in fp32."""
     a, b = F.normalize(a.float(), dim=-1), F.normalize(b.float(), dim=-1)

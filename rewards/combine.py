@@ -12,8 +12,9 @@ class RewardPromptError(ValueError):
 
 
 def _key(spec) -> str:
-    """An entry's name in scores and logs: its ``label``, else the reward's name."""
-    return getattr(spec, "label", "") or spec.name
+    """An entry's name in scores and logs (``RewardSpec.key``: its label, else the reward's
+    name); spec-like objects without one go by their name."""
+    return getattr(spec, "key", spec.name)
 
 
 def _check_unique(keys: list[str]) -> None:

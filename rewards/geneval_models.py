@@ -25,6 +25,7 @@ from rewards.clip_common import (
     image_size_of,
     normalize,
     resize_shortest_and_center_crop,
+    to_model,
 )
 from rewards.geneval_rules import Found
 from rewards.images import to_uint8_hwc
@@ -78,9 +79,7 @@ class OwlDetector:
         pil = [Image.fromarray(a) for a in to_uint8_hwc(pixels)]
         queries = [[f"a photo of {rules.article(c)}" for c in classes]] * len(pil)
         inputs = self.processor(text=queries, images=pil, return_tensors="pt")
-        inputs = {
-            k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()
-        }
+        inputs = to_model(inputs, self.device, self.dtype)
         outputs = self.model(**inputs)
         side = max(pixels.shape[-2:])  # OWLv2 pads to a square before resizing; boxes are in it
         found = self.processor.post_process_grounded_object_detection(

@@ -28,7 +28,7 @@ import inspect
 import torch
 from PIL import Image
 
-from rewards.clip_common import ClipReward, hf_pretrained
+from rewards.clip_common import ClipReward, hf_pretrained, to_model
 from rewards.images import to_uint8_hwc
 
 DEFAULT_TEMPLATE = 'Does this image show "{prompt}"? Answer Yes or No.'
@@ -105,10 +105,7 @@ class VLMJudge(ClipReward):
     def inputs(self, pixels: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         pil = [Image.fromarray(a) for a in to_uint8_hwc(pixels)]
         batch = self.processor(text=self.questions(prompts), images=pil, padding=True, return_tensors="pt")
-        return {
-            k: v.to(self.device, dtype=self.dtype if v.is_floating_point() else v.dtype)
-            for k, v in batch.items()
-        }
+        return to_model(batch, self.device, self.dtype)
 
     @torch.no_grad()
     def answer_logprobs(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
