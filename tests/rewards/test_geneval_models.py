@@ -1,0 +1,173 @@
+"""The ``geneval`` reward's models on tiny checkpoints written in their ``save_pretrained``
+formats: OWLv2 candidates and CLIP colours against by-hand decodes, and the whole reward."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewards
+from diffrl.models import tiny
+from rewards import geneval_rules as rules
+from rewards.clip_common import MissingRewardWeightsError
+from rewards.geneval import GenEval
+from rewards.geneval_models import COLOUR_TEMPLATES, ClipColours, OwlDetector, crop
+from rewards.geneval_rules import Found
+
+# ----------------------------------------------------------------------------- OWLv2 + CLIP
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from transformers import (
+        CLIPConfig,
+        CLIPModel,
+        CLIPVisionConfig,
+        Owlv2Config,
+        Owlv2ForObjectDetection,
+        Owlv2ImageProcessor,
+        Owlv2Processor,
+    )
+
+    root = tmp_path_factory.mktemp("geneval")
+    tok = tiny.clip_tokenizer(model_max_length=16, specials_last=True)  # OWL masks queries starting with id 0
+    text = dict(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    with tiny.seeded(0):
+        owl = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32))
+    owl.save_pretrained(root / "owl")
+    Owlv2Processor(
+        image_processor=Owlv2ImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok
+    ).save_pretrained(root / "owl")
+    clip_tok = tiny.clip_tokenizer()
+    clip_cfg = CLIPConfig(
+        text_config=tiny.clip_text_config(clip_tok, projection_dim=16).to_dict(),
+        vision_config=CLIPVisionConfig(**vision, projection_dim=16).to_dict(),
+        projection_dim=16,
+    )
+    with tiny.seeded(1):
+        CLIPModel(clip_cfg).save_pretrained(root / "clip")
+    clip_tok.save_pretrained(root / "clip")
+    return root
+
+
+def test_owl_candidates_equal_a_by_hand_decode(checkpoints):
+    detector = OwlDetector(str(checkpoints / "owl"), torch.device("cpu"), torch.float32)
+    x = torch.rand(2, 3, 40, 56, generator=torch.Generator().manual_seed(0))
+    classes = ["dog", "cat"]
+    got = detector(x, classes)
+    from PIL import Image
+
+    from rewards.images import to_uint8_hwc
+
+    pil = [Image.fromarray(a) for a in to_uint8_hwc(x)]
+    inputs = detector.processor(
+        text=[["a photo of a dog", "a photo of a cat"]] * 2, images=pil, return_tensors="pt"
+    )
+    with torch.no_grad():
+        out = detector.model(**inputs)
+    best, labels = out.logits.max(-1)  # each box goes to its best query (by logit: sigmoids saturate and tie)
+    probs = torch.sigmoid(best)
+    cx, cy, w, h = out.pred_boxes.unbind(-1)
+    corners = (
+        torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1) * 56
+    )  # the padded square's side
+    for i in range(2):
+        expected = {}
+        for b, p, lab in zip(corners[i].tolist(), probs[i].tolist(), labels[i].tolist()):
+            if p > 0:
+                expected.setdefault(classes[lab], []).append((b, p))
+        assert sorted(got[i]) == sorted(expected)
+        for cls in expected:
+            mine = [(list(f.box), f.score) for f in got[i][cls]]
+            for (b1, p1), (b2, p2) in zip(mine, expected[cls]):
+                assert p1 == pytest.approx(p2, abs=1e-6) and b1 == pytest.approx(b2, abs=1e-4)
+
+
+def test_colours_are_clip_zero_shot_with_averaged_templates(checkpoints):
+    colours = ClipColours(str(checkpoints / "clip"), torch.device("cpu"), torch.float32)
+    image = torch.rand(3, 48, 48, generator=torch.Generator().manual_seed(2))
+    found = [
+        Found((0, 0, 20, 30)),
+        Found((10, 5, 48, 48)),
+        Found((30.4, 30.6, 31.0, 31.2)),
+    ]  # the last: one pixel
+    got = colours(image, found, "dog")
+    model, tok = colours.model, colours.tokenizer
+    classifier = []
+    for c in rules.GENEVAL_COLOURS:
+        enc = tok(
+            [t.format(c=c, cls="dog") for t in COLOUR_TEMPLATES],
+            padding="max_length",
+            max_length=77,
+            return_tensors="pt",
+        )
+        with torch.no_grad():
+            text = model.get_text_features(**enc)
+        text = getattr(text, "pooler_output", text)
+        classifier.append(F.normalize(F.normalize(text, dim=-1).mean(0), dim=-1))
+    expected = []
+    for f in found:
+        pixels = colours.preprocess(crop(image, f.box))
+        with torch.no_grad():
+            out = model(pixel_values=pixels, input_ids=enc["input_ids"][:1])
+        expected.append(
+            rules.GENEVAL_COLOURS[
+                int((F.normalize(out.image_embeds, dim=-1) @ torch.stack(classifier).T).argmax())
+            ]
+        )
+    assert got == expected
+    assert crop(image, (30.4, 30.6, 31.0, 31.2)).shape == (3, 1, 1)
+
+
+def test_reward_with_models_is_batch_invariant_and_logs_clauses(checkpoints):
+    reward = GenEval(
+        detector=str(checkpoints / "owl"),
+        clip=str(checkpoints / "clip"),
+        threshold=0.5,
+        counting_threshold=0.5,
+    )
+    x = torch.rand(4, 3, 40, 40, generator=torch.Generator().manual_seed(3))
+    prompts = [
+        "a photo of a red dog",
+        "a photo of a red dog",
+        "a photo of two cats",
+        "a photo of a cat left of a dog",
+    ]
+    metadata = {}
+    out = reward(x, prompts, metadata)
+    assert set(out) == {"geneval", "geneval_partial", "geneval_strict", "geneval_correct"}
+    assert all(torch.isfinite(v).all() and v.shape == (4,) for v in out.values())
+    assert (
+        len(metadata["geneval"]) == 4
+        and metadata["geneval"][3]["geneval"].clauses[-1]["clause"] == "a cat left of a dog"
+    )
+    assert reward.colours._classifiers  # colour classifiers are cached per class...
+    reward.to("cpu", "float32")
+    assert not reward.colours._classifiers  # ...and recomputed after a move
+    single = [reward(x[i : i + 1], prompts[i : i + 1]) for i in range(4)]
+    for key in out:
+        torch.testing.assert_close(torch.cat([s[key] for s in single]), out[key])
+
+
+def test_missing_weights_name_the_path_or_the_download(tmp_path, checkpoints):
+    with pytest.raises(MissingRewardWeightsError, match=re.escape(str(tmp_path / "nope"))):
+        GenEval(detector=str(tmp_path / "nope"))
+    with pytest.raises(MissingRewardWeightsError, match="hf download google/owlv2-base-patch16-ensemble"):
+        GenEval()
+    with pytest.raises(MissingRewardWeightsError, match="hf download openai/clip-vit-large-patch14"):
+        GenEval(detector=str(checkpoints / "owl"))
+    with pytest.raises(rewards.RewardArgsError, match="score must be one of partial, strict, geneval"):
+        rewards.build("geneval", detector="shapeworld", score="loose")
