@@ -23,6 +23,7 @@ FAMILIES = Registry(
         "flux2": "diffrl.models.flux2:Flux2Adapter",
         "flux_kontext": "diffrl.models.flux_kontext:FluxKontextAdapter",
         "toy": "diffrl.models.toy:ToyAdapter",
+        "toy_video": "diffrl.models.toy_video:ToyVideoAdapter",
     },
     plural="model families",
 )

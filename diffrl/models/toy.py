@@ -36,13 +36,15 @@ _WORDS = (
 ).split()
 
 
-def word_tokenizer(max_length: int = 16):
+def word_tokenizer(max_length: int = 16, extra_words: tuple[str, ...] = ()):
     """Word-level tokenizer (lowercased, whitespace/punctuation split) wrapped as a
-    ``PreTrainedTokenizerFast``: ``<bos> words <eos>`` padded to ``max_length``."""
+    ``PreTrainedTokenizerFast``: ``<bos> words <eos>`` padded to ``max_length``.
+    ``extra_words`` extend the vocabulary after the image words (the video world's
+    "moving up"), so the image model's ids stay as they were."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(_SPECIAL + tuple(_WORDS))}
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL + tuple(_WORDS) + tuple(extra_words))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.normalizer = normalizers.Lowercase()
     core.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -1,0 +1,173 @@
+"""The toy video family (a Wan-class DiT on ShapeWorld clips) and its pretraining."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from diffrl.config import ModelConfig, load_config
+from diffrl.models import ModelLoadError, build_adapter
+from diffrl.models.toy_video import SHIPPED, ToyVideoPipeline
+from diffrl.sampling.rollout import rollout_independent
+
+PROMPTS = ["a red circle moving left", "a blue square moving up"]
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    base = {"family": "toy_video", "pretrained": "tiny", "height": 32, "width": 32, "num_frames": 3}
+    return ModelConfig(**{**base, **kw})
+
+
+def test_wan_classes_and_pixel_clips():
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    adapter = build_adapter(tiny_cfg())
+    assert isinstance(adapter.pipe.transformer, WanTransformer3DModel)
+    assert isinstance(adapter.pipe.text_encoder, UMT5EncoderModel)
+    assert isinstance(adapter.pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert adapter.latent_shape() == (3, 3, 32, 32)
+    x = torch.linspace(-3, 3, 2 * 3 * 3 * 32 * 32).view(2, 3, 3, 32, 32)
+    clips = adapter.decode(x)
+    assert clips.shape == (2, 3, 3, 32, 32)  # (B, F, 3, H, W)
+    assert torch.equal(clips[:, 1], ((x[:, :, 1] + 1) / 2).clamp(0, 1))
+
+
+def test_tokenizer_keeps_the_image_ids_and_reads_the_video_words():
+    from diffrl.models.toy import word_tokenizer
+    from diffrl.models.toy_video import MAX_TOKENS, VIDEO_WORDS
+
+    image, video = word_tokenizer(), word_tokenizer(MAX_TOKENS, extra_words=VIDEO_WORDS)
+    assert all(video.get_vocab()[w] == i for w, i in image.get_vocab().items())
+    ids = video("a red circle moving down").input_ids  # <bos> 5 words <eos>
+    assert video.unk_token_id not in ids and len(ids) == 7
+    assert len(video("a red circle moving down", padding="max_length").input_ids) == MAX_TOKENS
+
+
+def test_adapter_ode_rollout_matches_the_pipeline_sampler():
+    """Two code paths: diffrl's rollout (adapter velocity, Wan call) and ToyVideoPipeline.__call__."""
+    cfg = load_config(
+        "toy_video_flowgrpo",
+        ["model.pretrained=tiny", "model.num_frames=3", "model.guidance_scale=2.0"],
+    )
+    adapter = build_adapter(cfg.model)
+    steps = 4
+    cond = adapter.encode_prompts(PROMPTS)
+    traj = rollout_independent(
+        adapter, adapter.transformer, cond, [("k", 0), ("k", 1)], cfg, num_steps=steps, kinds=["ode"] * steps
+    )
+    clips = adapter.pipe(
+        PROMPTS, num_frames=3, num_inference_steps=steps, guidance_scale=2.0, latents=traj.latents[:, 0]
+    )
+    assert clips.shape == traj.images.shape == (2, 3, 3, 32, 32)
+    assert torch.allclose(clips, traj.images, atol=1e-5)
+
+
+def test_save_pretrained_round_trip_and_lora(tmp_path):
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    adapter = build_adapter(tiny_cfg())
+    adapter.pipe.save_pretrained(tmp_path / "model")
+    loaded = build_adapter(tiny_cfg(pretrained=str(tmp_path / "model")))
+    x = torch.randn(2, 3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.3, 0.8])
+    v0 = adapter.velocity(adapter.transformer, x, sigma, adapter.encode_prompts(PROMPTS))
+    assert torch.equal(v0, loaded.velocity(loaded.transformer, x, sigma, loaded.encode_prompts(PROMPTS)))
+    targets = list(loaded.default_lora_targets)
+    loaded.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, p in loaded.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    v_lora = loaded.velocity(loaded.transformer, x, sigma, loaded.encode_prompts(PROMPTS))
+    loaded.save_lora(tmp_path / "lora", get_peft_model_state_dict(loaded.transformer))
+    fresh = ToyVideoPipeline.from_pretrained(tmp_path / "model")
+    fresh.load_lora_weights(tmp_path / "lora")
+    fresh_adapter = type(adapter)(fresh, tiny_cfg())
+    v_fresh = fresh_adapter.velocity(fresh.transformer, x, sigma, fresh_adapter.encode_prompts(PROMPTS))
+    assert not torch.allclose(v_lora, v0, atol=1e-4)
+    assert torch.allclose(v_fresh, v_lora, atol=1e-5)
+
+
+def test_shipped_model_loads_by_name_and_checks_resolution():
+    assert (SHIPPED / "model_index.json").is_file()
+    assert sum(f.stat().st_size for f in SHIPPED.rglob("*.safetensors")) < 20e6
+    adapter = build_adapter(tiny_cfg(pretrained="shapeworld_video"))
+    cond = adapter.encode_prompts(PROMPTS[:1])
+    v = adapter.velocity(adapter.transformer, torch.zeros(1, 3, 3, 32, 32), torch.tensor([0.5]), cond)
+    assert torch.isfinite(v).all()
+    with pytest.raises(ModelLoadError, match="set model.height and model.width to 32"):
+        build_adapter(tiny_cfg(pretrained="shapeworld_video", height=64, width=64))
+
+
+def test_caption_noise_sets_that_share_of_clips_and_each_fails_its_caption():
+    """The verifier (an independent reader of the frames) fails the moves clause of every
+    noisy clip against its caption and passes every clean one."""
+    from diffrl.toy.pretrain_video import VideoPretrainConfig, clip_motions, render_clips
+    from rewards.shapeworld.video import ShapeWorldVideoVerifier, video_split
+
+    captions = (video_split()[0] * 8)[:400]
+    clean = clip_motions(captions, 0.0, random.Random(0))
+    assert all(moving == 1 and m.caption() == c for (m, moving), c in zip(clean, captions))
+    noisy = clip_motions(captions, 0.4, random.Random(0))
+    changed = [i for i, (m, moving) in enumerate(noisy) if moving == 0 or m.caption() != captions[i]]
+    assert abs(len(changed) / 400 - 0.4) < 0.1  # binomial sd 0.024
+    assert 0 < sum(noisy[i][1] == 0 for i in changed) < len(changed)  # some stand still, some move
+    picked = changed[:24] + [i for i in range(400) if i not in changed][:24]
+    clips = render_clips([noisy[i] for i in picked], random.Random(1), VideoPretrainConfig())
+    scores = ShapeWorldVideoVerifier()((clips.permute(0, 2, 1, 3, 4) + 1) / 2, [captions[i] for i in picked])
+    assert scores["shapeworld_video_moves"].tolist() == [0.0] * 24 + [1.0] * 24
+
+
+def test_pretraining_is_reproducible_from_its_seed_and_continues_from_init(tmp_path):
+    from diffrl.toy.pretrain_video import VideoPretrainConfig, pretrain_video
+
+    def run(name, steps, seed=0, **kw):
+        out = str(tmp_path / name)
+        cfg = VideoPretrainConfig(
+            out=out, steps=steps, batch_size=4, eval_every=steps, eval_steps=2, seed=seed, **kw
+        )
+        log = pretrain_video(cfg, log=lambda *_: None)
+        assert [row["step"] for row in log["history"]] == [steps]
+        return ToyVideoPipeline.from_pretrained(tmp_path / name).transformer.state_dict()
+
+    first, again, other = run("a", 2), run("b", 2), run("c", 2, seed=1)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+    # continued from 'a' with a zero learning rate, the weights stay 'a' exactly
+    held = run("d", 1, init=str(tmp_path / "a"), lr=0.0)
+    assert all(torch.equal(first[k], held[k]) for k in first)
+
+
+def test_pretrain_video_script_rejects_bad_arguments_in_one_line(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_toy_video.py"
+    spec = importlib.util.spec_from_file_location("pretrain_toy_video", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--resolution", "30", "--out", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.startswith("error: --resolution must be a multiple of 8")
+    assert script.main(["--frames", "9", "--step-px", "4"]) == 2
+    assert "carry an object out of a 32 px frame" in capsys.readouterr().err
+    assert script.main(["--caption-noise", "1.0"]) == 2
+    assert "--caption-noise must be in [0, 1)" in capsys.readouterr().err
+    assert script.main(["--init", "/nonexistent/model"]) == 2
+    assert "is not a saved toy video model" in capsys.readouterr().err
+
+
+def test_clips_render_in_wan_layout():
+    from diffrl.toy.pretrain_video import VideoPretrainConfig, clip_motions, render_clips
+
+    motions = clip_motions(["a red circle moving right"], 0.0, random.Random(0))
+    clips = render_clips(motions, random.Random(0), VideoPretrainConfig(frames=4))
+    assert clips.shape == (1, 3, 4, 32, 32) and clips.min() >= -1 and clips.max() <= 1
+    # the red object's centre of mass moves right by step_px per frame
+    red = (clips[0, 0] > 0.5) & (clips[0, 1] < 0) & (clips[0, 2] < 0)
+    xs = [float(np.nonzero(red[f].numpy())[1].mean()) for f in range(4)]
+    assert np.allclose(np.diff(xs), 3.0)
