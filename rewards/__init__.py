@@ -23,6 +23,7 @@ _FACTORIES: dict[str, str] = {
     "shapeworld_edit": "rewards.shapeworld.editing:ShapeWorldEditVerifier",
     "shapeworld_video": "rewards.shapeworld.video:ShapeWorldVideoVerifier",
     "remote": "rewards.remote:RemoteReward",
+    "random_control": "rewards.control:RandomControl",
     "hpsv2": "rewards.hps:HPSv2",
     "hpsv21": "rewards.hps:HPSv21",
     "imagereward": "rewards.imagereward:ImageReward",

@@ -12,6 +12,7 @@ import io
 import math
 import textwrap
 
+import torch
 from PIL import Image, ImageDraw
 
 from rewards.bench_report import COLOURS
@@ -94,21 +95,32 @@ def wrap_caption(caption: str, width_px: int, lines: int = CAPTION_LINES) -> lis
     return wrapped
 
 
+def frame_strip(clip: torch.Tensor, separator: float = 0.6) -> torch.Tensor:
+    """A clip (F, 3, H, W) as one image (3, H, F * W + F - 1): its frames left to right with
+    a 1-px grey line between them, so that a sheet shows the motion, not one frame."""
+    line = torch.full((3, clip.shape[2], 1), separator, dtype=clip.dtype)
+    parts = [part for frame in clip for part in (frame, line)][:-1]
+    return torch.cat(parts, dim=2)
+
+
 def image_sheet(images, captions: list[str], columns: int = 4, tile: int = 128) -> Image.Image:
-    """Images (N, 3, H, W) in [0, 1] (video: the first frame) in a grid, each with its
-    caption wrapped underneath and a 4-px gutter between tiles."""
-    n = len(images)
+    """Images (N, 3, H, W) in [0, 1] in a grid, each ``tile`` px high with its caption
+    wrapped underneath and a 4-px gutter between tiles. Clips (N, F, 3, H, W) show as frame
+    strips (:func:`frame_strip`), their tiles ``F`` times as wide."""
+    if images.ndim == 5:
+        images = torch.stack([frame_strip(clip) for clip in images])
+    n, (height, width) = len(images), images.shape[-2:]
+    tile_w = max(1, round(tile * width / height))
     rows = max(1, math.ceil(n / columns))
     gap, text_h = 4, CAPTION_LINES * LINE_PX + 2
-    cell_w, cell_h = tile + gap, tile + text_h + gap
+    cell_w, cell_h = tile_w + gap, tile + text_h + gap
     sheet = Image.new("RGB", (cell_w * columns + gap, cell_h * rows + gap), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for i, (image, caption) in enumerate(zip(images, captions)):
-        frame = image[0] if image.ndim == 4 else image
-        arr = (frame.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+        arr = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
         x, y = gap + (i % columns) * cell_w, gap + (i // columns) * cell_h
-        sheet.paste(Image.fromarray(arr).resize((tile, tile), Image.NEAREST), (x, y))
-        draw.rectangle((x - 1, y - 1, x + tile, y + tile), outline=(160, 160, 160))
-        for j, line in enumerate(wrap_caption(caption, tile)):
+        sheet.paste(Image.fromarray(arr).resize((tile_w, tile), Image.NEAREST), (x, y))
+        draw.rectangle((x - 1, y - 1, x + tile_w, y + tile), outline=(160, 160, 160))
+        for j, line in enumerate(wrap_caption(caption, tile_w)):
             draw.text((x, y + tile + 2 + j * LINE_PX), line, fill=(0, 0, 0))
     return sheet

@@ -4,7 +4,9 @@ the group as a mean with its spread (sample standard deviation and min..max over
 next to the evaluation's own standard error (over prompts, averaged over seeds).
 
 Only evaluation steps present in every run of a group are aggregated, so a run stopped
-early never silently shortens another's curve.
+early never silently shortens another's curve. The headline is held-out strict accuracy:
+``eval/shapeworld_strict/mean`` for images, or whichever ``eval/<reward>_strict/mean`` the
+runs log (``shapeworld_video_strict`` for the video world).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import statistics
 from dataclasses import dataclass
 
 HELDOUT = "eval/shapeworld_strict/mean"
-TRAIN = "eval_train/shapeworld_strict/mean"
 DARKNESS = "eval/fidelity/background_darkness/mean"
 DIVERSITY = "eval/diversity"
 
@@ -37,6 +38,15 @@ def spread(values: list[float]) -> Spread:
     return Spread(statistics.fmean(values), sd, min(values), max(values), len(values))
 
 
+def headline_key(groups: dict[str, list[list[dict]]]) -> str:
+    """:data:`HELDOUT` if the runs log it, else the first ``eval/<reward>_strict/mean`` they log."""
+    keys = {k for group in groups.values() for rows in group for row in rows for k in row}
+    if HELDOUT in keys:
+        return HELDOUT
+    strict = sorted(k for k in keys if k.startswith("eval/") and k.endswith("_strict/mean"))
+    return strict[0] if strict else HELDOUT
+
+
 def eval_rows(rows: list[dict], key: str = HELDOUT) -> dict[int, dict]:
     """Evaluation rows of one run by step (the last one wins if a step repeats)."""
     return {r["step"]: r for r in rows if r.get(key) is not None}
@@ -50,12 +60,15 @@ def common_steps(group: list[list[dict]], key: str = HELDOUT) -> list[int]:
     return sorted(steps or [])
 
 
-def curve(group: list[list[dict]], key: str, x: str = "step", ratio_to_start: bool = False) -> list[tuple]:
-    """(x mean, Spread) per common evaluation step; ``ratio_to_start`` divides each run's
-    value by its value at step 0 (the base), and gives no points for runs evaluated only
-    later (a ratio to a trained model's value would read as one to the base)."""
-    runs = [eval_rows(rows) for rows in group]
-    steps = common_steps(group)
+def curve(
+    group: list[list[dict]], key: str, x: str = "step", ratio_to_start: bool = False, headline: str = HELDOUT
+) -> list[tuple]:
+    """(x mean, Spread) per common evaluation step (the steps where every run logs
+    ``headline``); ``ratio_to_start`` divides each run's value by its value at step 0 (the
+    base), and gives no points for runs evaluated only later (a ratio to a trained model's
+    value would read as one to the base)."""
+    runs = [eval_rows(rows, headline) for rows in group]
+    steps = common_steps(group, headline)
     if ratio_to_start and (not steps or steps[0] != 0):
         return []
     out = []
@@ -86,13 +99,14 @@ def methods_table(groups: dict[str, list[list[dict]]]) -> str:
         "training strict | darkness x base | diversity x base |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    key = headline_key(groups)
     for name, group in groups.items():
-        se = dict(curve(group, HELDOUT.replace("/mean", "/se")))
-        train = dict(curve(group, TRAIN))
-        darkness = dict(curve(group, DARKNESS, ratio_to_start=True))
-        diversity = dict(curve(group, DIVERSITY, ratio_to_start=True))
-        minutes = dict(curve(group, "wall_time"))
-        for step, value in curve(group, HELDOUT):
+        se = dict(curve(group, key.replace("/mean", "/se"), headline=key))
+        train = dict(curve(group, key.replace("eval/", "eval_train/", 1), headline=key))
+        darkness = dict(curve(group, DARKNESS, ratio_to_start=True, headline=key))
+        diversity = dict(curve(group, DIVERSITY, ratio_to_start=True, headline=key))
+        minutes = dict(curve(group, "wall_time", headline=key))
+        for step, value in curve(group, key, headline=key):
             lines.append(
                 f"| {name} | {len(group)} | {step:g} | {minutes[step].mean / 60:.1f} | {value.text()} | "
                 f"{_mean_cell(se, step)} | {_mean_cell(train, step)} | "
@@ -105,17 +119,19 @@ def group_panels(groups: dict[str, list[list[dict]]]) -> list[tuple]:
     """Plot specs (title, xlabel, series) of the seed means: held-out strict against
     iteration and wall time, training strict, darkness and diversity against iteration."""
 
+    headline = headline_key(groups)
+
     def means(key, x="step", ratio=False):
         out = []
         for name, group in groups.items():
-            points = curve(group, key, x, ratio)
+            points = curve(group, key, x, ratio, headline)
             out.append((f"{name} (x{len(group)})", [px for px, _ in points], [v.mean for _, v in points]))
         return out
 
     return [
-        ("held-out strict, mean over seeds", "step", means(HELDOUT)),
-        ("held-out strict vs wall time", "seconds", means(HELDOUT, "wall_time")),
-        ("training strict, mean over seeds", "step", means(TRAIN)),
+        ("held-out strict, mean over seeds", "step", means(headline)),
+        ("held-out strict vs wall time", "seconds", means(headline, "wall_time")),
+        ("training strict, mean over seeds", "step", means(headline.replace("eval/", "eval_train/", 1))),
         ("background darkness x base", "step", means(DARKNESS, ratio=True)),
         ("diversity x base", "step", means(DIVERSITY, ratio=True)),
     ]

@@ -100,3 +100,22 @@ def test_sheet_captions_wrap_instead_of_being_cut():
     # three caption lines fit under each tile: the caption band below the tiles holds ink
     band = np.asarray(sheet.convert("L"))[4 + 128 + 2 :, 4 : 4 + 128]
     assert (band < 128).any(axis=1).sum() >= 3 * 7  # at least three lines of ~7-px glyphs
+
+
+def test_video_sheet_shows_every_frame_as_a_strip():
+    """A clip's tile is its frames left to right (grey 1-px lines between), so motion shows."""
+    from diffrl.evaluation.plots import frame_strip, image_sheet
+
+    clips = torch.zeros(2, 3, 3, 4, 4)  # (N, F, 3, H, W): frame f is lit in channel f
+    for f in range(3):
+        clips[:, f, f] = 1.0
+    strip = frame_strip(clips[0])
+    assert strip.shape == (3, 4, 3 * 4 + 2)
+    for f in range(3):
+        assert torch.equal(strip[:, :, f * 5 : f * 5 + 4], clips[0, f])
+    assert torch.allclose(strip[:, :, [4, 9]], torch.full((3, 4, 2), 0.6))
+    sheet = image_sheet(clips, ["a", "b"], columns=2, tile=8)
+    tile_w = round(8 * 14 / 4)
+    assert sheet.size[0] == 4 + 2 * (tile_w + 4)
+    pixels = np.asarray(sheet)[4:12, 4 : 4 + tile_w]  # the first tile, nearest-neighbour scaled
+    assert (pixels[:, 0] == (255, 0, 0)).all() and (pixels[:, -1] == (0, 0, 255)).all()

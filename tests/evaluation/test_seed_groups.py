@@ -90,3 +90,22 @@ def test_report_rejects_empty_and_repeated_method_names(tmp_path, specs, message
     specs = [s.replace("=A", f"={tmp_path / 'A'}") for s in specs]
     with pytest.raises(script.ReportError, match=message):
         script.main([*specs, "--out", str(tmp_path / "rep")])
+
+
+def test_video_runs_report_their_own_strict_accuracy():
+    """Runs that log no image strict accuracy are summarised by the one they log
+    (the video world's shapeworld_video_strict), held-out and training alike."""
+    video = "eval/shapeworld_video_strict/mean"
+    rows = [
+        {
+            "step": s,
+            "wall_time": 60.0 * s,
+            video: a,
+            "eval/shapeworld_video_strict/se": 0.03,
+            "eval_train/shapeworld_video_strict/mean": a + 0.1,
+            "eval/shapeworld_video_moves/mean": 0.9,
+        }
+        for s, a in ((0, 0.2), (10, 0.5))
+    ]
+    table = methods_table({"rl": [rows, rows]})
+    assert "| rl | 2 | 10 | 10.0 | 0.500 ± 0.000 [0.500, 0.500] | 0.030 | 0.600 | - | - |" in table
