@@ -11,6 +11,7 @@ from diffrl.models import ModelLoadError, build_adapter
 from diffrl.models.toy import SHIPPED, ToyPipeline, word_tokenizer
 from diffrl.sampling.rollout import rollout_independent
 from rewards.shapeworld import grammar
+from tests.helpers import assert_save_and_lora_round_trip
 
 PROMPTS = ["two red circles", "a blue square to the left of a yellow triangle"]
 
@@ -64,36 +65,8 @@ def test_adapter_ode_rollout_matches_the_pipeline_sampler():
 
 
 def test_save_pretrained_round_trip_and_lora(tmp_path):
-    adapter = build_adapter(tiny_cfg())
-    adapter.pipe.save_pretrained(tmp_path / "model")
-    loaded = build_adapter(tiny_cfg(pretrained=str(tmp_path / "model")))
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    sigma = torch.tensor([0.3, 0.8])
-    v0 = adapter.velocity(adapter.transformer, x, sigma, adapter.encode_prompts(PROMPTS))
-    v1 = loaded.velocity(loaded.transformer, x, sigma, loaded.encode_prompts(PROMPTS))
-    assert torch.equal(v0, v1)
-
-    from peft import LoraConfig
-
-    loaded.transformer.add_adapter(
-        LoraConfig(
-            r=4, lora_alpha=8, target_modules=list(loaded.default_lora_targets), init_lora_weights="gaussian"
-        )
-    )
-    with torch.no_grad():
-        for name, p in loaded.transformer.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    v_lora = loaded.velocity(loaded.transformer, x, sigma, loaded.encode_prompts(PROMPTS))
-    from peft.utils import get_peft_model_state_dict
-
-    loaded.save_lora(tmp_path / "lora", get_peft_model_state_dict(loaded.transformer))
-    fresh = ToyPipeline.from_pretrained(tmp_path / "model")
-    fresh.load_lora_weights(tmp_path / "lora")
-    fresh_adapter = type(adapter)(fresh, tiny_cfg())
-    v_fresh = fresh_adapter.velocity(fresh.transformer, x, sigma, fresh_adapter.encode_prompts(PROMPTS))
-    assert not torch.allclose(v_lora, v0, atol=1e-4)
-    assert torch.allclose(v_fresh, v_lora, atol=1e-5)
+    assert_save_and_lora_round_trip(tmp_path, build_adapter, tiny_cfg(), ToyPipeline, x, PROMPTS)
 
 
 def test_shipped_model_loads_by_name_and_checks_resolution():
