@@ -150,9 +150,16 @@ class ShapeWorldVideoVerifier:
             metadata[self.name] = verdicts
         strict = torch.tensor([v.strict for v in verdicts])
         partial = torch.tensor([v.partial for v in verdicts])
-        moves = torch.tensor([float(v.clauses[1]["ok"]) if v.clauses else 0.0 for v in verdicts])
+        present, moves = (
+            torch.tensor([float(v.clauses[i]["ok"]) if v.clauses else 0.0 for v in verdicts]) for i in (0, 1)
+        )
         score = {"partial": partial, "strict": strict, "mean": (strict + partial) / 2}[self.score]
-        return {self.name: score, "shapeworld_video_strict": strict, "shapeworld_video_moves": moves}
+        return {
+            self.name: score,
+            "shapeworld_video_strict": strict,
+            "shapeworld_video_present": present,
+            "shapeworld_video_moves": moves,
+        }
 
 
 def video_split(seed: int = 0, heldout_fraction: float = 0.25) -> tuple[list[str], list[str]]:

@@ -46,6 +46,7 @@ def test_still_reversed_and_wrong_clips_fail_the_clause_they_break():
         out = verifier(video, [motion.caption()], meta)
         assert tuple(c["ok"] for c in meta["shapeworld_video"][0].clauses) == expected, name
         assert out["shapeworld_video"].item() == pytest.approx(sum(expected) / 2), name
+        assert out["shapeworld_video_present"].item() == float(expected[0]), name
         assert out["shapeworld_video_moves"].item() == float(expected[1]), name
 
 
