@@ -23,6 +23,22 @@ THREADS = 2
 METRICS = ("loss", "policy_loss", "reward/mean", "kl", "approx_kl", "grad_norm")
 
 
+def machine() -> str:
+    """The CPU the float results depend on: torch's kernel dispatch level, the processor's
+    vendor, family, model and stepping, and a digest of its feature flags (the same torch
+    build gives other last bits on another CPU; a VM's model name alone, "AMD EPYC", does
+    not tell them apart)."""
+    fields: dict[str, str] = {}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().split("\n\n")[0].splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:8]
+    ident = " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model", "stepping"))
+    return f"{torch.backends.cpu.get_cpu_capability()} {ident} flags {flags}"
+
+
 def run(name: str) -> dict:
     """Train ``name``'s config for 2 iterations at seed 0 and return its golden record."""
     from diffrl.config import load_config
@@ -59,6 +75,7 @@ def run(name: str) -> dict:
         "config": config,
         "overrides": overrides,
         "torch": torch.__version__,
+        "cpu": machine(),
         "threads": THREADS,
         "steps": steps,
         "weights_sha256": weights.hexdigest(),
