@@ -10,10 +10,9 @@ import io
 import json
 from pathlib import Path
 
-import numpy as np
 from PIL import Image, ImageDraw
 
-from diffrl.evaluation.plots import LINE_PX, wrap_caption
+from diffrl.evaluation.plots import LINE_PX, frame_strip, wrap_caption
 
 LABEL_H = 4 * LINE_PX + 4  # name, score, and the prompt over two lines under the first column
 GAP = 6  # px of white between tiles
@@ -24,8 +23,7 @@ STRIP_FRAMES = 4
 def to_pil(image) -> Image.Image:
     """A tile's image; video (F, 3, H, W) becomes a horizontal strip of frames."""
     if image.ndim == 4:
-        idx = np.linspace(0, image.shape[0] - 1, min(STRIP_FRAMES, image.shape[0])).round().astype(int)
-        image = image[list(idx)].permute(1, 2, 0, 3).flatten(2)  # (3, H, n * W)
+        image = frame_strip(image, STRIP_FRAMES, separator=None)  # (3, H, n * W)
     arr = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
     return Image.fromarray(arr)
 

@@ -12,6 +12,7 @@ import io
 import math
 import textwrap
 
+import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
@@ -95,9 +96,17 @@ def wrap_caption(caption: str, width_px: int, lines: int = CAPTION_LINES) -> lis
     return wrapped
 
 
-def frame_strip(clip: torch.Tensor, separator: float = 0.6) -> torch.Tensor:
-    """A clip (F, 3, H, W) as one image (3, H, F * W + F - 1): its frames left to right with
-    a 1-px grey line between them, so that a sheet shows the motion, not one frame."""
+def frame_strip(
+    clip: torch.Tensor, max_frames: int | None = None, separator: float | None = 0.6
+) -> torch.Tensor:
+    """A clip (F, 3, H, W) as one image (3, H, n * W (+ n - 1)): its frames left to right,
+    ``max_frames`` of them evenly spaced (all by default), with a 1-px line of grey level
+    ``separator`` between them (none if ``None``), so that a tile shows the motion."""
+    if max_frames is not None and clip.shape[0] > max_frames:
+        idx = np.linspace(0, clip.shape[0] - 1, max_frames).round().astype(int)
+        clip = clip[list(idx)]
+    if separator is None:
+        return torch.cat(list(clip), dim=2)
     line = torch.full((3, clip.shape[2], 1), separator, dtype=clip.dtype)
     parts = [part for frame in clip for part in (frame, line)][:-1]
     return torch.cat(parts, dim=2)
