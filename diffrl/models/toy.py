@@ -120,6 +120,20 @@ def velocity_from_output(
     return (x_t.float() - output.float()) / s
 
 
+def euler_ode(x: torch.Tensor, sigmas: torch.Tensor, velocity, guidance_scale: float = 1.0) -> torch.Tensor:
+    """Euler steps of the flow ODE over ``sigmas`` (the scheduler's grid, ending at 0) from
+    ``x``; ``velocity(x, sigma, conditional)`` is the model's velocity with the prompt or,
+    when ``guidance_scale`` > 1, also without it for classifier-free guidance."""
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        sigma = torch.full((x.shape[0],), float(s), device=x.device)
+        v = velocity(x, sigma, True)
+        if guidance_scale > 1.0:
+            v_u = velocity(x, sigma, False)
+            v = v_u + guidance_scale * (v - v_u)
+        x = x + (s_next - s) * v
+    return x
+
+
 class ToyPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
     """Pixel-space MMDiT + CLIP text encoder; ``pipe(prompts)`` returns PIL images.
 
@@ -200,14 +214,11 @@ class ToyPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
         )
         x = x.to(self.transformer.device, torch.float32)
         self.scheduler.set_timesteps(num_inference_steps)
-        sigmas = self.scheduler.sigmas.float()
-        for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-            sigma = torch.full((len(prompts),), float(s), device=x.device)
-            v = self.velocity(x, sigma, embeds, pooled)
-            if cfg:
-                v_u = self.velocity(x, sigma, neg, neg_pooled)
-                v = v_u + guidance_scale * (v - v_u)
-            x = x + (s_next - s) * v
+
+        def velocity(x, sigma, conditional):
+            return self.velocity(x, sigma, *((embeds, pooled) if conditional else (neg, neg_pooled)))
+
+        x = euler_ode(x, self.scheduler.sigmas.float(), velocity, guidance_scale)
         images = tiny.to_unit_range(x)
         if output_type == "pt":
             return images
@@ -234,6 +245,30 @@ def _quiet_loading():
             tlog.enable_progress_bar()
 
 
+def load_toy(load, model_cfg, shipped_name: str, shipped: Path, rebuild: str, side_of):
+    """A toy adapter from ``load(model_cfg)``, where ``model.pretrained: <shipped_name>``
+    means the weights shipped in ``shipped`` (one error naming ``rebuild`` when they are
+    missing), with the loaders' progress bars off (a few MB load in a blink) and one error
+    when ``model.height`` / ``model.width`` differ from ``side_of(adapter)``, the square
+    frame side the model was trained at."""
+    if model_cfg.pretrained == shipped_name:
+        if not (shipped / "model_index.json").is_file():
+            raise ModelLoadError(
+                f"the shipped {shipped_name} model is missing from '{shipped}'; restore "
+                f"{shipped.relative_to(shipped.parents[1])} from git or rebuild it with {rebuild}"
+            )
+        model_cfg = dataclasses.replace(model_cfg, pretrained=str(shipped))
+    with _quiet_loading():
+        adapter = load(model_cfg)
+    side = side_of(adapter)
+    if (model_cfg.height, model_cfg.width) != (side, side):
+        raise ModelLoadError(
+            f"toy model '{model_cfg.pretrained}' generates {side}x{side} pixels; set "
+            f"model.height and model.width to {side}"
+        )
+    return adapter
+
+
 class ToyAdapter(SD3Adapter):
     """Flow-RL adapter of :class:`ToyPipeline`; the transformer call, schedule and LoRA
     targets are SD3's (same class); latents are pixels."""
@@ -254,22 +289,14 @@ class ToyAdapter(SD3Adapter):
     @classmethod
     def from_pretrained(cls, model_cfg) -> ToyAdapter:
         """``shapeworld`` = the shipped weights; otherwise a directory from ``save_pretrained``."""
-        if model_cfg.pretrained == "shapeworld":
-            if not (SHIPPED / "model_index.json").is_file():
-                raise ModelLoadError(
-                    f"the shipped toy model is missing from '{SHIPPED}'; restore assets/toy_model "
-                    "from git or rebuild it with scripts/pretrain_toy.py"
-                )
-            model_cfg = dataclasses.replace(model_cfg, pretrained=str(SHIPPED))
-        with _quiet_loading():  # 9 MB load in a blink: the loaders' progress bars are noise here
-            adapter = super().from_pretrained(model_cfg)
-        size = adapter.transformer.config.sample_size
-        if (model_cfg.height, model_cfg.width) != (size, size):
-            raise ModelLoadError(
-                f"toy model '{model_cfg.pretrained}' generates {size}x{size} pixels; set "
-                f"model.height and model.width to {size}"
-            )
-        return adapter
+        return load_toy(
+            super().from_pretrained,
+            model_cfg,
+            "shapeworld",
+            SHIPPED,
+            "scripts/pretrain_toy.py",
+            lambda adapter: adapter.transformer.config.sample_size,
+        )
 
     def _forward(self, transformer, latents, sigma, emb):
         """SD3's transformer call, with x0-predictions turned into velocities."""

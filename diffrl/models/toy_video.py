@@ -22,7 +22,6 @@ architecture with random weights; any other value is a local ``save_pretrained``
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -30,9 +29,9 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanTra
 from diffusers.loaders import WanLoraLoaderMixin
 
 from diffrl.models import tiny
-from diffrl.models.base import Conditioning, ModelLoadError
+from diffrl.models.base import Conditioning
 from diffrl.models.loading import finalize_pipeline, scheduler_sigmas
-from diffrl.models.toy import _quiet_loading, velocity_from_output, word_tokenizer
+from diffrl.models.toy import euler_ode, load_toy, velocity_from_output, word_tokenizer
 from diffrl.models.wan import WanAdapter
 
 SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "toy_video_model"
@@ -150,14 +149,11 @@ class ToyVideoPipeline(DiffusionPipeline, WanLoraLoaderMixin):
             latents = torch.randn((len(prompts), 3, num_frames, side, side), generator=generator)
         x = latents.to(self.transformer.device, torch.float32)
         self.scheduler.set_timesteps(num_inference_steps)
-        sigmas = self.scheduler.sigmas.float()
-        for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-            sigma = torch.full((len(prompts),), float(s), device=x.device)
-            v = self.velocity(x, sigma, embeds)
-            if cfg:
-                v_u = self.velocity(x, sigma, neg)
-                v = v_u + guidance_scale * (v - v_u)
-            x = x + (s_next - s) * v
+
+        def velocity(x, sigma, conditional):
+            return self.velocity(x, sigma, embeds if conditional else neg)
+
+        x = euler_ode(x, self.scheduler.sigmas.float(), velocity, guidance_scale)
         return tiny.to_unit_range(x).permute(0, 2, 1, 3, 4)
 
 
@@ -182,22 +178,14 @@ class ToyVideoAdapter(WanAdapter):
     @classmethod
     def from_pretrained(cls, model_cfg) -> ToyVideoAdapter:
         """``shapeworld_video`` = the shipped weights; otherwise a ``save_pretrained`` directory."""
-        if model_cfg.pretrained == "shapeworld_video":
-            if not (SHIPPED / "model_index.json").is_file():
-                raise ModelLoadError(
-                    f"the shipped toy video model is missing from '{SHIPPED}'; restore "
-                    "assets/toy_video_model from git or rebuild it with scripts/pretrain_toy_video.py"
-                )
-            model_cfg = dataclasses.replace(model_cfg, pretrained=str(SHIPPED))
-        with _quiet_loading():
-            adapter = super().from_pretrained(model_cfg)
-        side = adapter.pipe.config.resolution
-        if (model_cfg.height, model_cfg.width) != (side, side):
-            raise ModelLoadError(
-                f"toy video model '{model_cfg.pretrained}' generates {side}x{side} frames; set "
-                f"model.height and model.width to {side}"
-            )
-        return adapter
+        return load_toy(
+            super().from_pretrained,
+            model_cfg,
+            "shapeworld_video",
+            SHIPPED,
+            "scripts/pretrain_toy_video.py",
+            lambda adapter: adapter.pipe.config.resolution,
+        )
 
     def _encode_uncached(self, prompts: list[str]) -> Conditioning:
         return self._encoded(

@@ -83,6 +83,16 @@ def test_shipped_model_loads_by_name_and_checks_resolution():
         build_adapter(tiny_cfg(pretrained="shapeworld_video", height=64, width=64))
 
 
+def test_missing_shipped_weights_are_one_error_naming_the_rebuild(tmp_path, monkeypatch):
+    import diffrl.models.toy_video as toy_video
+
+    monkeypatch.setattr(toy_video, "SHIPPED", tmp_path / "assets" / "toy_video_model")
+    with pytest.raises(
+        ModelLoadError, match="restore assets/toy_video_model from git or rebuild it with scripts/"
+    ):
+        build_adapter(tiny_cfg(pretrained="shapeworld_video"))
+
+
 def test_caption_noise_sets_that_share_of_clips_and_each_fails_its_caption():
     """The verifier (an independent reader of the frames) fails the moves clause of every
     noisy clip against its caption and passes every clean one."""
