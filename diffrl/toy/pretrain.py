@@ -96,17 +96,41 @@ def render_batch(
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
+def noised(x0: torch.Tensor, gen: torch.Generator, location: float = 0.0):
+    """(sigma, noise, x_sigma): one logit-normal(location, 1) sigma per sample and
+    x_sigma = (1 - sigma) x0 + sigma noise, for images (B, C, H, W) and clips alike."""
+    b = x0.shape[0]
+    sigma = torch.sigmoid(torch.randn(b, generator=gen) + location)
+    noise = torch.randn(x0.shape, generator=gen)
+    s = sigma.view(b, *([1] * (x0.ndim - 1)))
+    return sigma, noise, (1 - s) * x0 + s * noise
+
+
+def optimizer_step(opt, params, loss: torch.Tensor, lr: float) -> None:
+    """Set ``lr``, backpropagate ``loss``, clip the gradient norm to 1 and step."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
+def check_resolution(resolution: int, patch: int = 8) -> None:
+    """The frame side must tile into patches (``build_components``' default patch size)."""
+    if resolution % patch or resolution < 2 * patch:
+        raise ValueError(
+            f"--resolution must be a multiple of {patch} and at least {2 * patch}, got {resolution}"
+        )
+
+
 def flow_matching_loss(
     pipe: ToyPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator, location: float = 0.0
 ):
     """MSE between predicted and true velocity at logit-normal(location, 1) sigmas (SD3,
     Esser et al. 2024, Sec. 3.1: a positive location puts more training on high noise,
     where layout is decided)."""
-    b = x0.shape[0]
-    sigma = torch.sigmoid(torch.randn(b, generator=gen) + location)
-    noise = torch.randn(x0.shape, generator=gen)
-    s = sigma.view(b, 1, 1, 1)
-    x_t = (1 - s) * x0 + s * noise
+    sigma, noise, x_t = noised(x0, gen, location)
     embeds, pooled = pipe.text_embeddings(captions)
     return torch.nn.functional.mse_loss(pipe.velocity(x_t, sigma, embeds, pooled), noise - x0)
 
@@ -160,13 +184,8 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
             [c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise")
         )
         x0 = render_batch(specs, rnd, cfg.resolution, cfg.grid or None)
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * min(1.0, step / cfg.warmup)
         loss = flow_matching_loss(pipe, x0, [c for _, c in pairs], gen, cfg.sigma_location)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, loss, cfg.lr * min(1.0, step / cfg.warmup))
         ema.update()
         loss_acc += float(loss.detach())
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -216,11 +235,7 @@ def kind_weights(cfg: PretrainConfig) -> list[float]:
 
 
 def _validate(cfg: PretrainConfig) -> None:
-    patch = 8  # build_components' default patch size
-    if cfg.resolution % patch or cfg.resolution < 2 * patch:
-        raise ValueError(
-            f"--resolution must be a multiple of {patch} and at least {2 * patch}, got {cfg.resolution}"
-        )
+    check_resolution(cfg.resolution)
     if cfg.grid and not 4 <= cfg.grid <= cfg.resolution // 2:
         raise ValueError(f"--grid must be 0 (free layout) or 4..{cfg.resolution // 2} pixels, got {cfg.grid}")
     if cfg.prediction not in ("x0", "velocity"):

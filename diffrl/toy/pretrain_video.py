@@ -31,6 +31,7 @@ import torch
 
 from diffrl.models import tiny
 from diffrl.models.toy_video import ToyVideoPipeline, build_components
+from diffrl.toy.pretrain import check_resolution, noised, optimizer_step
 from diffrl.training.policy import EMA
 from rewards.shapeworld.video import DIRECTIONS, Motion, parse_motion, render_clip, video_split
 
@@ -83,11 +84,7 @@ def render_clips(
 
 def flow_matching_loss(pipe: ToyVideoPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator):
     """v-loss at logit-normal(0, 1) sigmas, one sigma per clip."""
-    b = x0.shape[0]
-    sigma = torch.sigmoid(torch.randn(b, generator=gen))
-    noise = torch.randn(x0.shape, generator=gen)
-    s = sigma.view(b, 1, 1, 1, 1)
-    x_t = (1 - s) * x0 + s * noise
+    sigma, noise, x_t = noised(x0, gen)
     embeds = pipe.text_embeddings(captions)
     return torch.nn.functional.mse_loss(pipe.velocity(x_t, sigma, embeds), noise - x0)
 
@@ -154,22 +151,13 @@ def _train_step(pipe, opt, params, train: list[str], step: int, cfg: VideoPretra
     # its own stream, so that caption_noise = 0 draws the same clips as any other noise level
     motions = clip_motions(captions, cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
     x0 = render_clips(motions, rnd, cfg)
-    for group in opt.param_groups:
-        group["lr"] = cfg.lr * min(1.0, step / cfg.warmup)
     loss = flow_matching_loss(pipe, x0, conditioning, gen)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
+    optimizer_step(opt, params, loss, cfg.lr * min(1.0, step / cfg.warmup))
     return float(loss.detach())
 
 
 def _validate(cfg: VideoPretrainConfig) -> None:
-    patch = 8  # build_components' default patch size
-    if cfg.resolution % patch or cfg.resolution < 2 * patch:
-        raise ValueError(
-            f"--resolution must be a multiple of {patch} and at least {2 * patch}, got {cfg.resolution}"
-        )
+    check_resolution(cfg.resolution)
     if cfg.frames < 2 or cfg.step_px < 1:
         raise ValueError(
             f"--frames must be at least 2 and --step-px at least 1, got {cfg.frames} and {cfg.step_px}"
