@@ -69,8 +69,10 @@ def build_components(
     head_dim: int = 32,
     text_hidden: int = 64,
     text_layers: int = 2,
+    qk_norm: str | None = None,
 ) -> dict:
-    """Fresh (random) components of the toy architecture; call under ``tiny.seeded``."""
+    """Fresh (random) components of the toy architecture; call under ``tiny.seeded``.
+    ``qk_norm`` ("rms_norm", as SD3.5) normalises attention queries and keys."""
     from transformers import CLIPTextModelWithProjection
 
     tokenizer = word_tokenizer()
@@ -89,6 +91,7 @@ def build_components(
         caption_projection_dim=heads * head_dim,
         pooled_projection_dim=text_hidden,
         pos_embed_max_size=resolution // patch,
+        qk_norm=qk_norm,
     )
     return {
         "transformer": transformer,

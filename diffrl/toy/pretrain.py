@@ -33,9 +33,15 @@ import torch
 
 from diffrl.models import tiny
 from diffrl.models.toy import ToyPipeline, build_components
+from diffrl.toy import positions
+from diffrl.toy.recipe import SigmaDensity, Stage, parse_curriculum, parse_density, parse_weights, stage_at
 from diffrl.training.policy import EMA
 from rewards.shapeworld import grammar
 from rewards.shapeworld.render import corrupt, render
+
+# The caption kinds pretraining draws from: the RL grammar's three, then the
+# pretraining-only single-object positions (diffrl/toy/positions.py).
+KINDS = (*grammar.KINDS, "position")
 
 
 @dataclass
@@ -57,8 +63,16 @@ class PretrainConfig:
     snapshots: str | None = None  # directory for a copy of the EMA model at every eval
     caption_noise: float = 0.0  # probability that an image violates one clause of its caption
     init: str | None = None  # a saved toy model directory to continue from (None: random init)
-    sigma_location: float = 0.0  # m of the logit-normal(m, 1) sigma density; m > 0 favours high noise
-    kind_weights: str = "1,1,1"  # relative frequency of count, pair and relation captions
+    # locations m of a mixture of logit-normal(m, 1) sigma densities (m > 0 favours high
+    # noise, where layout is decided) and their weights (default equal): diffrl/toy/recipe.py
+    sigma_location: str = "0"
+    sigma_weights: str = ""
+    kind_weights: str = "1,1,1"  # relative frequency of count, pair, relation and position captions
+    curriculum: str = (
+        ""  # stages 'WEIGHTS@STEPS[~LOCATIONS]; ...; WEIGHTS' (recipe.py); overrides kind_weights
+    )
+    qk_norm: str = ""  # "" (the shipped architecture) or "rms_norm" (SD3.5's query-key norm); new models only
+    probe_prompts: int = 16  # held-out relation prompts of the relation probe at each eval (0: none)
 
 
 def batch_captions(
@@ -69,7 +83,7 @@ def batch_captions(
     kind_weights: list[float] | None = None,
 ):
     """``n`` (spec caption, conditioning caption) pairs, kinds drawn uniformly or in
-    proportion to ``kind_weights`` (one per :data:`grammar.KINDS`)."""
+    proportion to ``kind_weights`` (one per list of ``prompts_by_kind``)."""
     uniform = kind_weights is None or len(set(kind_weights)) == 1
     out = []
     for _ in range(n):
@@ -80,27 +94,40 @@ def batch_captions(
     return out
 
 
-def scene_specs(captions: list[str], noise: float, rnd: random.Random) -> list[grammar.Spec]:
+def parse_caption(caption: str):
+    """The scene spec of a training caption: a position caption's
+    :class:`~diffrl.toy.positions.PositionSpec`, else the RL grammar's :class:`grammar.Spec`."""
+    return positions.parse(caption) or grammar.parse(caption)
+
+
+def scene_specs(captions: list[str], noise: float, rnd: random.Random) -> list:
     """What each image shows: its caption's spec, or with probability ``noise`` a spec that
     violates one clause of it (a mismatched caption)."""
-    specs = [grammar.parse(c) for c in captions]
+    specs = [parse_caption(c) for c in captions]
     if noise <= 0:
         return specs
-    return [corrupt(s, rnd) if rnd.random() < noise else s for s in specs]
+    return [_corrupt(s, rnd) if rnd.random() < noise else s for s in specs]
 
 
-def render_batch(
-    specs: list[grammar.Spec], rnd: random.Random, resolution: int, grid: int | None
-) -> torch.Tensor:
-    images = np.stack([render(s, rnd, resolution, grid) for s in specs])
+def _corrupt(spec, rnd: random.Random):
+    return positions.corrupt(spec, rnd) if spec.kind == "position" else corrupt(spec, rnd)
+
+
+def render_batch(specs: list, rnd: random.Random, resolution: int, grid: int | None) -> torch.Tensor:
+    images = np.stack(
+        [(positions.render if s.kind == "position" else render)(s, rnd, resolution, grid) for s in specs]
+    )
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def noised(x0: torch.Tensor, gen: torch.Generator, location: float = 0.0):
-    """(sigma, noise, x_sigma): one logit-normal(location, 1) sigma per sample and
-    x_sigma = (1 - sigma) x0 + sigma noise, for images (B, C, H, W) and clips alike."""
+def noised(x0: torch.Tensor, gen: torch.Generator, density: SigmaDensity | float = 0.0):
+    """(sigma, noise, x_sigma): one sigma per sample from ``density`` (a number m is
+    logit-normal(m, 1)) and x_sigma = (1 - sigma) x0 + sigma noise, for images
+    (B, C, H, W) and clips alike."""
+    if not isinstance(density, SigmaDensity):
+        density = SigmaDensity((float(density),))
     b = x0.shape[0]
-    sigma = torch.sigmoid(torch.randn(b, generator=gen) + location)
+    sigma = density.sample(b, gen)
     noise = torch.randn(x0.shape, generator=gen)
     s = sigma.view(b, *([1] * (x0.ndim - 1)))
     return sigma, noise, (1 - s) * x0 + s * noise
@@ -125,12 +152,16 @@ def check_resolution(resolution: int, patch: int = 8) -> None:
 
 
 def flow_matching_loss(
-    pipe: ToyPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator, location: float = 0.0
+    pipe: ToyPipeline,
+    x0: torch.Tensor,
+    captions: list[str],
+    gen: torch.Generator,
+    density: SigmaDensity | float = 0.0,
 ):
-    """MSE between predicted and true velocity at logit-normal(location, 1) sigmas (SD3,
-    Esser et al. 2024, Sec. 3.1: a positive location puts more training on high noise,
+    """MSE between predicted and true velocity at sigmas from ``density`` (SD3, Esser et
+    al. 2024, Sec. 3.1: a positive logit-normal location puts more training on high noise,
     where layout is decided)."""
-    sigma, noise, x_t = noised(x0, gen, location)
+    sigma, noise, x_t = noised(x0, gen, density)
     embeds, pooled = pipe.text_embeddings(captions)
     return torch.nn.functional.mse_loss(pipe.velocity(x_t, sigma, embeds, pooled), noise - x0)
 
@@ -162,11 +193,23 @@ def eval_sets(n: int) -> dict[str, list[str]]:
     return {"heldout": heldout[:n], "train": train[:n]}
 
 
+def training_batch(cfg: PretrainConfig, by_kind: list[list[str]], stage: Stage, step: int):
+    """(images (B, 3, H, W) in [-1, 1], conditioning captions) of ``step``, keyed by
+    (seed, step): captions drawn with the stage's kind weights, some dropped to "", and
+    each image rendered from its caption's scene (or a corrupted one, ``caption_noise``)."""
+    rnd = random.Random(f"{cfg.seed}-{step}")
+    kinds, weights = drawn_kinds(by_kind, stage.kind_weights)
+    pairs = batch_captions(kinds, rnd, cfg.batch_size, cfg.caption_dropout, weights)
+    # its own stream, so that caption_noise = 0 draws exactly the batches it always did
+    specs = scene_specs([c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
+    return render_batch(specs, rnd, cfg.resolution, cfg.grid or None), [c for _, c in pairs]
+
+
 def pretrain(cfg: PretrainConfig, log=print) -> dict:
     """Train, evaluate every ``eval_every`` steps, save the EMA model to ``cfg.out``."""
     _validate(cfg)
-    train, _ = grammar.split()
-    by_kind = [[p for p in train if grammar.parse(p).kind == k] for k in grammar.KINDS]
+    by_kind = captions_by_kind()
+    stages = training_stages(cfg)
     pipe = _initial_pipeline(cfg)
     modules = [pipe.transformer, pipe.text_encoder]
     params = [p for m in modules for p in m.parameters()]
@@ -174,17 +217,11 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
     ema = EMA(params, cfg.ema_decay, warmup=True)
     evals = eval_sets(cfg.eval_prompts)
     history, start, loss_acc = [], time.time(), 0.0
-    weights = kind_weights(cfg)
     for step in range(1, cfg.steps + 1):
-        rnd = random.Random(f"{cfg.seed}-{step}")
+        stage = stages[stage_at(stages, step)]
+        x0, captions = training_batch(cfg, by_kind, stage, step)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        pairs = batch_captions(by_kind, rnd, cfg.batch_size, cfg.caption_dropout, weights)
-        # its own stream, so that caption_noise = 0 draws exactly the batches it always did
-        specs = scene_specs(
-            [c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise")
-        )
-        x0 = render_batch(specs, rnd, cfg.resolution, cfg.grid or None)
-        loss = flow_matching_loss(pipe, x0, [c for _, c in pairs], gen, cfg.sigma_location)
+        loss = flow_matching_loss(pipe, x0, captions, gen, stage.density)
         optimizer_step(opt, params, loss, cfg.lr * min(1.0, step / cfg.warmup))
         ema.update()
         loss_acc += float(loss.detach())
@@ -209,7 +246,8 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
 def _initial_pipeline(cfg: PretrainConfig) -> ToyPipeline:
     if cfg.init is None:
         with tiny.seeded(cfg.seed):
-            return ToyPipeline(**build_components(resolution=cfg.resolution), prediction=cfg.prediction)
+            comps = build_components(resolution=cfg.resolution, qk_norm=cfg.qk_norm or None)
+            return ToyPipeline(**comps, prediction=cfg.prediction)
     pipe = ToyPipeline.from_pretrained(cfg.init)
     size = pipe.transformer.config.sample_size
     if size != cfg.resolution or pipe.config.prediction != cfg.prediction:
@@ -220,18 +258,29 @@ def _initial_pipeline(cfg: PretrainConfig) -> ToyPipeline:
     return pipe
 
 
-def kind_weights(cfg: PretrainConfig) -> list[float]:
-    """``cfg.kind_weights`` as floats, one per kind in :data:`grammar.KINDS`."""
-    try:
-        weights = [float(w) for w in cfg.kind_weights.split(",")]
-    except ValueError:
-        weights = []
-    if len(weights) != len(grammar.KINDS) or min(weights) < 0 or sum(weights) <= 0:
-        raise ValueError(
-            f"--kind-weights must be {len(grammar.KINDS)} non-negative numbers for "
-            f"{', '.join(grammar.KINDS)} (for example 1,1,2), got '{cfg.kind_weights}'"
-        )
-    return weights
+def captions_by_kind() -> list[list[str]]:
+    """The training captions of each kind of :data:`KINDS`: the RL grammar's training
+    split, then the position captions (none for objects whose count-1 prompt is held out)."""
+    train, _ = grammar.split()
+    return [[p for p in train if grammar.parse(p).kind == k] for k in grammar.KINDS] + [positions.captions()]
+
+
+def drawn_kinds(by_kind: list[list[str]], weights: tuple[float, ...]):
+    """(caption lists, weights) to draw from. Without position captions the three grammar
+    kinds are passed alone, so every older three-kind command draws the batches it did."""
+    if weights[-1] == 0:
+        return by_kind[:-1], list(weights[:-1])
+    return by_kind, list(weights)
+
+
+def training_stages(cfg: PretrainConfig) -> list[Stage]:
+    """The curriculum's stages, or one stage of ``kind_weights``; a stage without its own
+    sigma density uses the run's (``sigma_location``, ``sigma_weights``)."""
+    density = parse_density(cfg.sigma_location, cfg.sigma_weights)
+    if not cfg.curriculum.strip():
+        return [Stage(parse_weights(cfg.kind_weights, KINDS, min_length=3), None, density)]
+    stages = parse_curriculum(cfg.curriculum, KINDS)
+    return [Stage(s.kind_weights, s.steps, s.density or density) for s in stages]
 
 
 def _validate(cfg: PretrainConfig) -> None:
@@ -242,7 +291,7 @@ def _validate(cfg: PretrainConfig) -> None:
         raise ValueError(f"--prediction must be 'x0' or 'velocity', got '{cfg.prediction}'")
     if not 0.0 <= cfg.caption_noise < 1.0:
         raise ValueError(f"--caption-noise must be in [0, 1), got {cfg.caption_noise}")
-    kind_weights(cfg)
+    training_stages(cfg)
     if cfg.init is not None and not (Path(cfg.init) / "model_index.json").is_file():
         raise ValueError(f"--init '{cfg.init}' is not a saved toy model (no model_index.json there)")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:
@@ -250,11 +299,37 @@ def _validate(cfg: PretrainConfig) -> None:
 
 
 def _eval_ema(pipe, ema, evals, cfg) -> dict:
-    """Strict accuracy of the EMA model on each eval set, without and with CFG (scale 3)."""
+    """Strict accuracy of the EMA model on each eval set, without and with CFG (scale 3),
+    and the relation probe's placement on ``probe_prompts`` held-out relation prompts."""
     out = {}
     with ema.swapped_in():
         for name, prompts in evals.items():
             for guidance in (1.0, 3.0):
                 scores = evaluate(pipe, prompts, cfg.eval_steps, guidance)
                 out[f"{name}_strict_g{guidance:g}"] = round(scores["strict"], 3)
+        if cfg.probe_prompts:
+            out.update(probe_placement(pipe, cfg.probe_prompts, cfg.eval_steps))
     return out
+
+
+def probe_placement(pipe, n: int, steps: int) -> dict:
+    """Share of held-out relation samples with the second object right of the first when
+    asked "to the left of" / "to the right of", and below it when asked "above" / "below"
+    (``scripts/probe_toy_relations.py``; a model that reads the words has the first of each
+    pair near 1 and the second near 0)."""
+    from diffrl.toy import relation_probe as probe
+
+    rows = probe.sample_placement(pipe, probe.relation_prompts("heldout", n), steps=steps)
+    alone = probe.position_placement(pipe, steps=steps)
+    mass = probe.position_mass(pipe)
+    return {
+        "position_mass_in_named_half": round(sum(mass.values()) / len(mass), 3),
+        "position_left_if_left": round(alone["to the left"]["left_half"], 3),
+        "position_left_if_right": round(alone["to the right"]["left_half"], 3),
+        "position_top_if_above": round(alone["above"]["top_half"], 3),
+        "position_top_if_below": round(alone["below"]["top_half"], 3),
+        "probe_right_if_left_of": round(rows["to the left of"]["b_right_of_a"], 3),
+        "probe_right_if_right_of": round(rows["to the right of"]["b_right_of_a"], 3),
+        "probe_below_if_above": round(rows["above"]["b_below_a"], 3),
+        "probe_below_if_below": round(rows["below"]["b_below_a"], 3),
+    }

@@ -31,7 +31,9 @@ import torch
 
 from diffrl.models import tiny
 from diffrl.models.toy_video import ToyVideoPipeline, build_components
+from diffrl.toy.motion_probe import motion_mass
 from diffrl.toy.pretrain import check_resolution, noised, optimizer_step
+from diffrl.toy.recipe import SigmaDensity, parse_density
 from diffrl.training.policy import EMA
 from rewards.shapeworld.video import DIRECTIONS, Motion, parse_motion, render_clip, video_split
 
@@ -53,6 +55,9 @@ class VideoPretrainConfig:
     eval_steps: int = 20
     caption_noise: float = 0.0  # probability that a clip moves another way or stands still
     init: str | None = None  # a saved toy video model to continue from (None: random init)
+    # a mixture of logit-normal(m, 1) sigma densities and its weights (diffrl/toy/recipe.py)
+    sigma_location: str = "0"
+    sigma_weights: str = ""
 
 
 def clip_motions(captions: list[str], noise: float, rnd: random.Random) -> list[tuple[Motion, int]]:
@@ -82,9 +87,15 @@ def render_clips(
     return torch.from_numpy(clips).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
 
 
-def flow_matching_loss(pipe: ToyVideoPipeline, x0: torch.Tensor, captions: list[str], gen: torch.Generator):
-    """v-loss at logit-normal(0, 1) sigmas, one sigma per clip."""
-    sigma, noise, x_t = noised(x0, gen)
+def flow_matching_loss(
+    pipe: ToyVideoPipeline,
+    x0: torch.Tensor,
+    captions: list[str],
+    gen: torch.Generator,
+    density: SigmaDensity | float = 0.0,
+):
+    """v-loss at sigmas from ``density`` (a number m: logit-normal(m, 1)), one sigma per clip."""
+    sigma, noise, x_t = noised(x0, gen, density)
     embeds = pipe.text_embeddings(captions)
     return torch.nn.functional.mse_loss(pipe.velocity(x_t, sigma, embeds), noise - x0)
 
@@ -123,6 +134,7 @@ def pretrain_video(cfg: VideoPretrainConfig, log=print) -> dict:
                 for name, prompts in (("heldout", heldout), ("train", train)):
                     scores = evaluate(pipe, prompts, cfg.frames, cfg.eval_steps)
                     row.update({f"{name}_{k}": v for k, v in scores.items()})
+                row["motion_mass_shift_px"] = round(motion_mass(pipe, cfg.frames)["mean"], 3)
             history.append(row)
             log(json.dumps(row))
     with ema.swapped_in():
@@ -151,7 +163,9 @@ def _train_step(pipe, opt, params, train: list[str], step: int, cfg: VideoPretra
     # its own stream, so that caption_noise = 0 draws the same clips as any other noise level
     motions = clip_motions(captions, cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
     x0 = render_clips(motions, rnd, cfg)
-    loss = flow_matching_loss(pipe, x0, conditioning, gen)
+    loss = flow_matching_loss(
+        pipe, x0, conditioning, gen, parse_density(cfg.sigma_location, cfg.sigma_weights)
+    )
     optimizer_step(opt, params, loss, cfg.lr * min(1.0, step / cfg.warmup))
     return float(loss.detach())
 
@@ -169,6 +183,7 @@ def _validate(cfg: VideoPretrainConfig) -> None:
         )
     if not 0.0 <= cfg.caption_noise < 1.0:
         raise ValueError(f"--caption-noise must be in [0, 1), got {cfg.caption_noise}")
+    parse_density(cfg.sigma_location, cfg.sigma_weights)
     if cfg.init is not None and not (Path(cfg.init) / "model_index.json").is_file():
         raise ValueError(f"--init '{cfg.init}' is not a saved toy video model (no model_index.json there)")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:

@@ -6,6 +6,13 @@ Two measurements on the same relation prompts, each asked with all four relation
   second object lies right of (below) the first. A model that reads the word puts the
   second object on the right far more often for "to the left of" than for "to the right
   of"; one that ignores it gives the same shares for every word.
+* **positions**: for single-object position captions ("a red circle to the left", the
+  pretraining curriculum's first kind, :mod:`diffrl.toy.positions`), the share of samples
+  whose one object lies in the left (top) half, per position word.
+* **position mass**: the same question asked of the model's x0 prediction from almost
+  pure noise (sigma 0.98), where the word is the only thing that says where the object
+  goes: the share of predicted object mass in the named half. 0.5 means the word is
+  ignored; it needs no drawn objects, so it also reads a model early in pretraining.
 * **sensitivity**: the mean absolute change of the transformer's output when only the
   relation word changes ("left" vs "right"), next to the change when only the first
   object's colour changes, on the same noisy input.
@@ -58,6 +65,56 @@ def sample_placement(pipe, prompts: list[str], steps: int = 20, seed: int = 0) -
             asked, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed), output_type="pt"
         )
         out[relation] = placement(asked, images)
+    return out
+
+
+@torch.no_grad()
+def position_placement(pipe, steps: int = 20, seed: int = 0) -> dict[str, dict]:
+    """Per position word: of samples of every position caption where the object is found
+    exactly once, the share whose centre lies in the left half and in the top half."""
+    from diffrl.toy import positions
+
+    captions = positions.captions(exclude_heldout_counts=False)
+    images = pipe(
+        captions, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed), output_type="pt"
+    )
+    half = images.shape[-1] / 2
+    found = {p: [] for p in positions.POSITIONS}
+    for caption, dets in zip(captions, detect(images.float())):
+        spec = positions.parse(caption)
+        mine = [d for d in dets if (d.colour, d.shape) == (spec.colour, spec.shape)]
+        if len(mine) == 1:
+            found[spec.position].append((mine[0].cx < half, mine[0].cy < half))
+    return {
+        p: {
+            "n": len(rows),
+            "left_half": sum(r[0] for r in rows) / max(len(rows), 1),
+            "top_half": sum(r[1] for r in rows) / max(len(rows), 1),
+        }
+        for p, rows in found.items()
+    }
+
+
+@torch.no_grad()
+def position_mass(pipe, sigma: float = 0.98, seed: int = 0) -> dict[str, float]:
+    """Per position word: the share of the x0 prediction's darkness (1 - brightness, mean
+    over channels, from noise at ``sigma``) that lies in the named half, over every
+    position caption with that word."""
+    from diffrl.toy import positions
+
+    captions = positions.captions(exclude_heldout_counts=False)
+    size = pipe.transformer.config.sample_size
+    x = torch.randn((len(captions), 3, size, size), generator=torch.Generator().manual_seed(seed))
+    s = torch.full((len(captions),), sigma)
+    embeds, pooled = pipe.text_embeddings(captions)
+    x0 = x - sigma * pipe.velocity(x, s, embeds, pooled)  # x_t = x0 + sigma v
+    dark = (1 - (x0.clamp(-1, 1) + 1) / 2).mean(1)  # (B, H, W)
+    half = size // 2
+    out = {}
+    for position in positions.POSITIONS:
+        mass = dark[[c.endswith(position) for c in captions]].sum(0)
+        named = {"to the left": mass[:, :half], "to the right": mass[:, half:], "above": mass[:half]}
+        out[position] = float(named.get(position, mass[half:]).sum() / mass.sum())
     return out
 
 

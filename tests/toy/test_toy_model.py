@@ -202,7 +202,8 @@ def test_pretrain_script_rejects_bad_kind_weights(weights, capsys):
     spec.loader.exec_module(script)
     assert script.main(["--kind-weights", weights, "--out", "/nonexistent"]) == 2
     assert (
-        "--kind-weights must be 3 non-negative numbers for count, pair, relation" in capsys.readouterr().err
+        "--kind-weights must be 3 or 4 non-negative numbers for count, pair, relation, position"
+        in capsys.readouterr().err
     )
 
 

@@ -148,6 +148,8 @@ def test_pretrain_video_script_rejects_bad_arguments_in_one_line(capsys):
     assert "--caption-noise must be in [0, 1)" in capsys.readouterr().err
     assert script.main(["--init", "/nonexistent/model"]) == 2
     assert "is not a saved toy video model" in capsys.readouterr().err
+    assert script.main(["--sigma-location", "2.5,0", "--sigma-weights", "1"]) == 2
+    assert "--sigma-weights as many non-negative weights" in capsys.readouterr().err
 
 
 def test_clips_render_in_wan_layout():
@@ -180,3 +182,41 @@ def test_video_config_trains_and_its_control_optimises_only_the_random_reward(tm
         assert 0.0 <= row["reward/shapeworld_video/mean"] <= 1.0
         optimised = "reward/shapeworld_video/mean" if name == "rl" else "reward/random_control/mean"
         assert row["reward/mean"] == pytest.approx(row[optimised], abs=1e-6)
+
+
+class _ClipDrawingModel:
+    """Stand-in for the toy video pipeline whose x0 prediction from any noise is a clip of
+    the caption's motion (or, with ``always``, of that direction whatever the caption says)."""
+
+    def __init__(self, always: str | None = None):
+        self.config = type("C", (), {"resolution": 32})()
+        self.always = always
+
+    def text_embeddings(self, captions):
+        return captions
+
+    def velocity(self, x, sigma, captions):
+        import random
+
+        import numpy as np
+
+        from rewards.shapeworld.video import Motion, parse_motion, render_clip
+
+        rnd = random.Random(0)
+        motions = [parse_motion(c) for c in captions]
+        if self.always:
+            motions = [Motion(m.colour, m.shape, self.always) for m in motions]
+        clips = np.stack([render_clip(m, rnd, 5, 32, 3) for m in motions])  # (B, F, H, W, 3)
+        x0 = torch.from_numpy(clips).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+        return (x - x0) / sigma.view(-1, 1, 1, 1, 1)
+
+
+def test_motion_probe_reads_the_direction_from_the_predicted_clip():
+    from diffrl.toy.motion_probe import motion_mass
+
+    reads = motion_mass(_ClipDrawingModel())
+    # the drawn object travels 3 px x 4 frames along its direction: its centroid by 12 px
+    assert all(abs(reads[d] - 12.0) < 1e-3 for d in ("left", "right", "up", "down"))
+    deaf = motion_mass(_ClipDrawingModel(always="right"))
+    assert abs(deaf["right"] - 12.0) < 1e-3 and abs(deaf["left"] + 12.0) < 1e-3
+    assert abs(deaf["up"]) < 1e-3 and abs(deaf["mean"]) < 1e-3  # a deaf model's shifts cancel
