@@ -15,6 +15,14 @@ situation preference alignment is for (real text-to-image models follow prompts 
 because their captions do). ``init`` continues from a saved toy model instead of a random
 one (a fresh optimizer and warm-up).
 
+The default recipe (:data:`RECIPE`, issue 36) is a curriculum: single-object position
+captions ("a red circle to the left", :mod:`diffrl.toy.positions`) first, so the position
+words get a signal of their own, then relations, then every kind; the sigma density of the
+first two stages sits at high noise where the layout is decided (a logit-normal of location
+2.5 instead of SD3's 0). Without the first stages and the density the model never reads
+"left of" against "right of" (docs/BENCHMARKS.md). ``kind_weights`` replaces the curriculum
+with one stage; ``--kind-weights 1,1,1 --lr 1e-3`` is the recipe of the bases before it.
+
 Everything random is keyed by (seed, step): batches are re-rendered from the seed, the
 learning rate is constant after warm-up and the EMA has no horizon, so a run stopped at
 step N equals a run with ``--steps N`` (on the same torch build and thread count).
@@ -44,12 +52,20 @@ from rewards.shapeworld.render import corrupt, render
 KINDS = (*grammar.KINDS, "position")
 
 
+# The shipped recipe (issue 36, docs/BENCHMARKS.md "A base that reads relation words"):
+# single-object positions first, then positions with relations, both with the sigma density
+# centred at high noise (logit-normal location 2.5, where the layout is decided), then every
+# kind at location 1.0 so colours, shapes and counts are drawn too. The learning rate is
+# 3e-4: at 1e-3 the position words are learnt in about one seed in eight.
+RECIPE = "0,0,0,1@1500~2.5; 0,0,1,1@1500~2.5; 1,1,2,1~1.0"
+
+
 @dataclass
 class PretrainConfig:
-    out: str = "assets/toy_model"
-    steps: int = 3000
+    out: str = "assets/toy_model_capable"
+    steps: int = 10000
     batch_size: int = 64
-    lr: float = 1e-3
+    lr: float = 3e-4
     warmup: int = 250
     ema_decay: float = 0.999
     caption_dropout: float = 0.1
@@ -57,20 +73,22 @@ class PretrainConfig:
     prediction: str = "x0"  # what the transformer outputs; the loss is on the velocity either way
     grid: int = 8  # one object per patch-sized cell (patch size 8): see shapeworld.layout
     seed: int = 0
-    eval_every: int = 500
+    eval_every: int = 1000
     eval_prompts: int = 96
     eval_steps: int = 20
     snapshots: str | None = None  # directory for a copy of the EMA model at every eval
     caption_noise: float = 0.0  # probability that an image violates one clause of its caption
     init: str | None = None  # a saved toy model directory to continue from (None: random init)
+    # stages 'WEIGHTS@STEPS[~LOCATIONS[/WEIGHTS]]; ...; WEIGHTS[~...]' of caption-kind weights
+    # (count, pair, relation, position) and sigma densities: diffrl/toy/recipe.py
+    curriculum: str = RECIPE
+    # one stage of these caption-kind weights instead of the curriculum (3 or 4 numbers)
+    kind_weights: str = ""
     # locations m of a mixture of logit-normal(m, 1) sigma densities (m > 0 favours high
-    # noise, where layout is decided) and their weights (default equal): diffrl/toy/recipe.py
+    # noise, where layout is decided) and their weights (default equal), for every stage
+    # that names no density of its own
     sigma_location: str = "0"
     sigma_weights: str = ""
-    kind_weights: str = "1,1,1"  # relative frequency of count, pair, relation and position captions
-    curriculum: str = (
-        ""  # stages 'WEIGHTS@STEPS[~LOCATIONS]; ...; WEIGHTS' (recipe.py); overrides kind_weights
-    )
     qk_norm: str = ""  # "" (the shipped architecture) or "rms_norm" (SD3.5's query-key norm); new models only
     probe_prompts: int = 16  # held-out relation prompts of the relation probe at each eval (0: none)
 
@@ -274,11 +292,13 @@ def drawn_kinds(by_kind: list[list[str]], weights: tuple[float, ...]):
 
 
 def training_stages(cfg: PretrainConfig) -> list[Stage]:
-    """The curriculum's stages, or one stage of ``kind_weights``; a stage without its own
-    sigma density uses the run's (``sigma_location``, ``sigma_weights``)."""
+    """The curriculum's stages, or one stage of ``kind_weights`` when those are given (the
+    three grammar kinds equally when the curriculum is empty too: the recipe before issue
+    36); a stage without its own sigma density uses (``sigma_location``, ``sigma_weights``)."""
     density = parse_density(cfg.sigma_location, cfg.sigma_weights)
-    if not cfg.curriculum.strip():
-        return [Stage(parse_weights(cfg.kind_weights, KINDS, min_length=3), None, density)]
+    if cfg.kind_weights.strip() or not cfg.curriculum.strip():
+        weights = cfg.kind_weights.strip() or "1,1,1"
+        return [Stage(parse_weights(weights, KINDS, "--kind-weights", min_length=3), None, density)]
     stages = parse_curriculum(cfg.curriculum, KINDS)
     return [Stage(s.kind_weights, s.steps, s.density or density) for s in stages]
 

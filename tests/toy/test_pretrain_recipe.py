@@ -190,3 +190,18 @@ def test_position_mass_is_one_for_a_model_that_reads_the_word_and_splits_for_one
     assert abs(deaf["to the left"] - 1.0) < 1e-6 and abs(deaf["to the right"]) < 1e-6
     # a vertical word the model ignores: its objects land in random rows, about half on top
     assert 0.2 < deaf["above"] < 0.8 and 0.2 < deaf["below"] < 0.8
+
+
+def test_the_default_is_the_curriculum_and_kind_weights_replace_it_with_one_stage():
+    from diffrl.toy.pretrain import RECIPE, PretrainConfig, training_stages
+
+    default = training_stages(PretrainConfig())
+    assert [s.kind_weights for s in default] == [w.kind_weights for w in parse_curriculum(RECIPE, KINDS)]
+    assert [s.steps for s in default] == [1500, 1500, None]
+    assert default[0].density.locations == (2.5,) and default[-1].density.locations == (1.0,)
+    single = training_stages(PretrainConfig(kind_weights="0,0,1", sigma_location="1.5"))
+    assert len(single) == 1 and single[0].kind_weights == (0, 0, 1, 0)
+    assert single[0].density.locations == (1.5,)
+    # with the curriculum emptied the three grammar kinds are drawn equally (the old recipe)
+    old = training_stages(PretrainConfig(curriculum=""))
+    assert old[0].kind_weights == (1, 1, 1, 0)
