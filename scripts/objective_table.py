@@ -4,8 +4,8 @@ and diversity as ratios to a base evaluation, the median seconds per iteration, 
 held-out strict at equal wall time (each run linear from the base at 0 minutes through its
 evaluations, read at the shortest run's last evaluation).
 
-    python scripts/objective_table.py OUT_DIR --base-strict 0.358 --base-darkness 0.00222 \
-        --base-diversity 0.195
+    python scripts/objective_table.py OUT_DIR --base-strict 0.328 --base-darkness 0.000465 \
+        --base-diversity 0.1835
 """
 
 from __future__ import annotations
