@@ -16,6 +16,7 @@ import itertools
 
 import torch
 
+from diffrl.toy.relation_probe import darkness_from_noise
 from rewards.shapeworld import grammar
 from rewards.shapeworld.video import DIRECTIONS
 
@@ -38,12 +39,7 @@ def motion_mass(pipe, frames: int = 5, sigma: float = 0.98, seed: int = 0) -> di
         captions = [
             f"a {c} {s} moving {direction}" for c, s in itertools.product(grammar.COLOURS, grammar.SHAPES)
         ]
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn((len(captions), 3, frames, size, size), generator=gen)
-        s = torch.full((len(captions),), sigma)
-        x0 = x - sigma * pipe.velocity(x, s, pipe.text_embeddings(captions))
-        dark = (1 - (x0.clamp(-1, 1) + 1) / 2).mean(1)  # (B, F, H, W)
-        c = _centroids(dark)
+        c = _centroids(darkness_from_noise(pipe, captions, (3, frames, size, size), sigma, seed))
         shift = c[:, -1] - c[:, 0]
         out[direction] = float((shift[:, 0] * ux + shift[:, 1] * uy).mean())
     out["mean"] = sum(out.values()) / len(DIRECTIONS)

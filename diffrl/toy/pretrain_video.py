@@ -122,9 +122,10 @@ def pretrain_video(cfg: VideoPretrainConfig, log=print) -> dict:
     params = [p for m in (pipe.transformer, pipe.text_encoder) for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     ema = EMA(params, cfg.ema_decay, warmup=True)
+    density = parse_density(cfg.sigma_location, cfg.sigma_weights)
     history, start, loss_acc = [], time.time(), 0.0
     for step in range(1, cfg.steps + 1):
-        loss = _train_step(pipe, opt, params, train, step, cfg)
+        loss = _train_step(pipe, opt, params, train, step, cfg, density)
         ema.update()
         loss_acc += loss
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -155,7 +156,9 @@ def _initial_pipeline(cfg: VideoPretrainConfig) -> ToyVideoPipeline:
     return pipe
 
 
-def _train_step(pipe, opt, params, train: list[str], step: int, cfg: VideoPretrainConfig) -> float:
+def _train_step(
+    pipe, opt, params, train: list[str], step: int, cfg: VideoPretrainConfig, density: SigmaDensity
+) -> float:
     rnd = random.Random(f"{cfg.seed}-{step}")
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     captions = [rnd.choice(train) for _ in range(cfg.batch_size)]
@@ -163,9 +166,7 @@ def _train_step(pipe, opt, params, train: list[str], step: int, cfg: VideoPretra
     # its own stream, so that caption_noise = 0 draws the same clips as any other noise level
     motions = clip_motions(captions, cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
     x0 = render_clips(motions, rnd, cfg)
-    loss = flow_matching_loss(
-        pipe, x0, conditioning, gen, parse_density(cfg.sigma_location, cfg.sigma_weights)
-    )
+    loss = flow_matching_loss(pipe, x0, conditioning, gen, density)
     optimizer_step(opt, params, loss, cfg.lr * min(1.0, step / cfg.warmup))
     return float(loss.detach())
 

@@ -96,6 +96,19 @@ def position_placement(pipe, steps: int = 20, seed: int = 0) -> dict[str, dict]:
 
 
 @torch.no_grad()
+def darkness_from_noise(pipe, captions: list[str], shape: tuple, sigma: float, seed: int) -> torch.Tensor:
+    """Darkness (1 - brightness, mean over channels) of the model's x0 prediction for each
+    caption from seeded noise of ``shape`` (C, ...) at ``sigma``: its mean image (or clip)
+    for the caption. Images and clips alike (``pipe.text_embeddings`` may return a tuple)."""
+    x = torch.randn((len(captions), *shape), generator=torch.Generator().manual_seed(seed))
+    s = torch.full((len(captions),), sigma)
+    cond = pipe.text_embeddings(captions)
+    cond = cond if isinstance(cond, tuple) else (cond,)
+    x0 = x - sigma * pipe.velocity(x, s, *cond)  # x_t = x0 + sigma v
+    return (1 - (x0.clamp(-1, 1) + 1) / 2).mean(1)
+
+
+@torch.no_grad()
 def position_mass(pipe, sigma: float = 0.98, seed: int = 0) -> dict[str, float]:
     """Per position word: the share of the x0 prediction's darkness (1 - brightness, mean
     over channels, from noise at ``sigma``) that lies in the named half, over every
@@ -104,11 +117,7 @@ def position_mass(pipe, sigma: float = 0.98, seed: int = 0) -> dict[str, float]:
 
     captions = positions.captions(exclude_heldout_counts=False)
     size = pipe.transformer.config.sample_size
-    x = torch.randn((len(captions), 3, size, size), generator=torch.Generator().manual_seed(seed))
-    s = torch.full((len(captions),), sigma)
-    embeds, pooled = pipe.text_embeddings(captions)
-    x0 = x - sigma * pipe.velocity(x, s, embeds, pooled)  # x_t = x0 + sigma v
-    dark = (1 - (x0.clamp(-1, 1) + 1) / 2).mean(1)  # (B, H, W)
+    dark = darkness_from_noise(pipe, captions, (3, size, size), sigma, seed)  # (B, H, W)
     half = size // 2
     out = {}
     for position in positions.POSITIONS:
