@@ -393,6 +393,16 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
 
 
+def _yaml_boolean_word(value, choices: tuple):
+    """YAML 1.1 reads ``no`` / ``off`` as False and ``yes`` / ``on`` as True, so
+    ``mixed_precision: no`` (and ``--set train.mixed_precision=no``) arrives as a bool;
+    give back the word when it is one of the choices."""
+    if not isinstance(value, bool):
+        return value
+    words = ("yes", "on", "true") if value else ("no", "off", "false")
+    return next((w for w in words if w in choices), value)
+
+
 def _coerce(value, tp, where: str):
     """Check ``value`` against annotation ``tp``; return the converted value or raise ConfigError."""
     origin = typing.get_origin(tp)
@@ -408,6 +418,7 @@ def _coerce(value, tp, where: str):
                 errors.append(str(err))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of {tp}")
     if origin is Literal:
+        value = _yaml_boolean_word(value, typing.get_args(tp))
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where}: {value!r} is not {_type_name(tp)}")
         return value

@@ -87,6 +87,12 @@ def _check_model(cfg) -> None:
             "model.guidance_scale_2 only applies when model.guidance_scale > 1: WanPipeline runs CFG "
             "on both experts or on neither; raise model.guidance_scale or drop guidance_scale_2"
         )
+    if model.full_finetune and model.dtype != "float32" and cfg.train.mixed_precision == "no":
+        raise ConfigError(
+            f"model.full_finetune with model.dtype {model.dtype} needs train.mixed_precision: "
+            f"{'bf16' if model.dtype == 'bfloat16' else 'fp16'}: the trained weights are kept in "
+            "fp32 (an update of lr 1e-5 is below bf16's resolution) and forwards run under autocast"
+        )
     if model.family == "wan22" and model.full_finetune:
         raise ConfigError(
             "model.full_finetune is not supported for wan22: two 14B experts plus their frozen "

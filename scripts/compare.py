@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     reward_fn = MultiReward(cfg.rewards)
     reward_fn.check_prompts(prompts, args.prompts or cfg.data.eval_prompts)
     adapter = build_adapter(cfg.model)
-    policy = Policy(adapter, cfg.model, cfg.seed)
+    policy = Policy(adapter, cfg.model, cfg.seed, upcast_trainable=False)  # sampling only
     steps = args.steps or cfg.sampling.eval_num_steps or cfg.sampling.num_steps
     tiles = run_comparison(adapter, policy, columns, prompts, args.seeds, steps, cfg, reward_fn)
     out = Path(args.out)

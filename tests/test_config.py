@@ -64,6 +64,16 @@ def test_overrides_apply_with_yaml_types(tmp_path):
     assert cfg.model.lora.target_modules == ["to_q", "to_k"]
 
 
+def test_yaml_boolean_words_reach_literal_choices(tmp_path):
+    """YAML 1.1 reads `no` as False; `mixed_precision: no` still means the word."""
+    cfg = load_config(_write(tmp_path, "train:\n  mixed_precision: no\n"), ["train.mixed_precision=bf16"])
+    assert cfg.train.mixed_precision == "bf16"
+    cfg = load_config(_write(tmp_path, "train:\n  mixed_precision: bf16\n"), ["train.mixed_precision=no"])
+    assert cfg.train.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="True is not one of"):  # no choice is a yes-word
+        load_config(_write(tmp_path, "run_name: x\n"), ["train.mixed_precision=yes"])
+
+
 def test_bad_override_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_config(_write(tmp_path, "run_name: x\n"), ["train.max_steps"])

@@ -15,9 +15,16 @@ from diffrl.training.sharding import is_sharded, like, reshard, whole
 
 class Policy:
     """Owns what is trained. LoRA: the reference is the same transformer with adapters
-    disabled (no second copy). Full fine-tuning: the reference is a frozen deep copy."""
+    disabled (no second copy). Full fine-tuning: the reference is a frozen deep copy.
 
-    def __init__(self, adapter, model_cfg, seed: int = 0):
+    Trainable weights are fp32 master weights whatever ``model.dtype`` is (forwards run
+    under autocast): an AdamW step of lr 1e-5 on a bf16 weight is below bf16's resolution
+    (8 bits of mantissa, a relative step of 2^-8) and is rounded away, so a bf16 full
+    fine-tune would train nothing and say nothing. ``upcast_trainable=False`` leaves the
+    upcast to accelerate's FSDP2 ``prepare``, which does it shard by shard (upcasting here,
+    before sharding, would hold a whole fp32 copy on every process)."""
+
+    def __init__(self, adapter, model_cfg, seed: int = 0, upcast_trainable: bool = True):
         self.adapter = adapter
         self.cfg = model_cfg
         self.is_lora = not model_cfg.full_finetune
@@ -40,12 +47,12 @@ class Policy:
                         target_modules=targets,
                     )
                 )
-            for p in transformer.parameters():
-                if p.requires_grad:  # LoRA weights train in fp32 even when the base is bf16
-                    p.data = p.data.float()
         else:
+            # copied before the upcast: the reference only runs forwards, in model.dtype
             self.frozen_reference = copy.deepcopy(transformer).requires_grad_(False).eval()
             transformer.requires_grad_(True)
+        if upcast_trainable or self.is_lora:  # LoRA weights are small: fp32 before sharding is fine
+            upcast_trainable_to_fp32(transformer)
         if model_cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         transformer.eval()  # no dropout: replays must be exact
@@ -112,6 +119,16 @@ class Policy:
             save_file(weights, str(directory / "transformer" / "diffusion_pytorch_model.safetensors"))
         else:
             self.transformer.save_pretrained(directory / "transformer")
+
+
+def upcast_trainable_to_fp32(module: torch.nn.Module) -> int:
+    """Make every trainable parameter of ``module`` fp32 in place; returns how many changed."""
+    changed = 0
+    for p in module.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+            changed += 1
+    return changed
 
 
 class EMA:

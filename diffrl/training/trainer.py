@@ -73,7 +73,9 @@ class Trainer:
         self.adapter = build_adapter(cfg.model)
         self.adapter.to(self.acc.device)
         self.reward_fn.to(self.acc.device)
-        self.policy = Policy(self.adapter, cfg.model, cfg.seed)
+        # under FSDP accelerate's prepare upcasts the trainable weights shard by shard
+        fsdp = self.acc.distributed_type == DistributedType.FSDP
+        self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not fsdp)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
         self.rollout_model = compiled(self.adapter.transformer, cfg.perf)
         opt = torch.optim.AdamW(
