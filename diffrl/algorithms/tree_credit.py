@@ -281,5 +281,15 @@ def _zero_variance_share(values: torch.Tensor, groups: torch.Tensor) -> float:
     (single-node depths are structural, not filtered)."""
     multi = multi_node(groups)
     ids = torch.unique(groups[multi])
-    flat = sum(1 for g in ids.tolist() if bool((values[groups == g] == values[groups == g][0]).all()))
-    return flat / max(len(ids), 1)
+    if len(ids) == 0:
+        return 0.0
+    # a group is flat when its largest and smallest value agree: one host read for all groups
+    index = torch.searchsorted(ids, groups[multi])
+    v = values[multi] if values.is_floating_point() else values[multi].double()
+    high = torch.full((len(ids),), -torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
+        0, index, v, "amax"
+    )
+    low = torch.full((len(ids),), torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
+        0, index, v, "amin"
+    )
+    return (high == low).float().mean().item()

@@ -113,22 +113,33 @@ class TwoExperts(torch.nn.Module):
             return (
                 self.high(hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs)[0],
             )
-        high = self.uses_high(timestep)
+        # the one host read of a forward: which expert takes which rows (Wan2.2 routes on
+        # the timestep's value, so the host must know it to launch the right expert)
+        high = self.uses_high(timestep).tolist()
+        routes = (
+            (self.high, [i for i, h in enumerate(high) if h]),
+            (self.low, [i for i, h in enumerate(high) if not h]),
+        )
         out = None
-        for expert, rows in ((self.high, high), (self.low, ~high)):
-            if not rows.any():
+        for expert, rows in routes:
+            if not rows:
                 continue
+            whole = len(rows) == len(high)  # one expert for the batch: no gather or scatter
+            ix = None if whole else torch.tensor(rows, device=hidden_states.device)
             part = expert(
-                hidden_states=hidden_states[rows],
-                timestep=timestep[rows],
-                encoder_hidden_states=encoder_hidden_states[rows],
+                hidden_states=hidden_states if whole else hidden_states[ix],
+                timestep=timestep if whole else timestep[ix],
+                encoder_hidden_states=encoder_hidden_states if whole else encoder_hidden_states[ix],
                 return_dict=False,
                 **kwargs,
             )[0]
+            if whole:
+                out = part
+                continue
             if out is None:
                 out = part.new_empty(hidden_states.shape[:1] + part.shape[1:])
-            out = out.index_put((rows.nonzero().squeeze(1),), part)
-        idle = self.low if high.all() else self.high if not high.any() else None
+            out = out.index_put((ix,), part)
+        idle = next((expert for expert, rows in routes if not rows), None)
         if idle is not None and torch.is_grad_enabled():
             out = out + 0.0 * sum(_local(p).sum() for p in idle.parameters() if p.requires_grad)
         return (out,)

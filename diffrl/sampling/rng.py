@@ -35,3 +35,13 @@ def randn(shape, *key) -> torch.Tensor:
 def randn_batch(shape, keys, *suffix) -> torch.Tensor:
     """Stack one independent draw per sample key: ``randn(shape, *key, *suffix)`` for each key."""
     return torch.stack([randn(shape, *k, *suffix) for k in keys])
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` (host noise) on ``device`` without stalling the host: on CUDA it is staged in
+    pinned memory and copied asynchronously (a copy from pageable memory blocks until
+    the queued kernels finish, once per denoising step). Elsewhere a plain ``.to``."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

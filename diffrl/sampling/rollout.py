@@ -49,11 +49,8 @@ class Trajectory:
 
     def trainable_steps(self) -> list[int]:
         """Steps with a stochastic transition (std > 0): only these have a policy ratio."""
-        return [
-            t
-            for t in range(self.num_steps)
-            if self.step_kinds[t] != "ode" and bool((self.stds[:, t] > 0).all())
-        ]
+        stochastic = (self.stds > 0).all(0).tolist()  # one host read for every step
+        return [t for t in range(self.num_steps) if self.step_kinds[t] != "ode" and stochastic[t]]
 
     def transition(self, rows, t: int):
         """(x_t, x_next, old log-prob, conditioning rows) of samples ``rows`` at step t."""
@@ -138,7 +135,7 @@ def denoise(
         if isinstance(noise_levels, (int, float))
         else [float(a) for a in noise_levels]
     )
-    x = (initial_noise(shape, keys) if init_noise is None else init_noise.float()).to(device)
+    x = rng.to_device(initial_noise(shape, keys) if init_noise is None else init_noise.float(), device)
     sigma_1 = float(sigmas[1]) if len(sigmas) > 1 else None
     latents, means, noises = [x], [], []
     log_probs, stds, std_ts = (torch.zeros(b, n, device=device) for _ in range(3))
@@ -147,7 +144,7 @@ def denoise(
         if kind == "ode":
             eps = torch.zeros_like(x)
         else:
-            eps = (step_noise(shape, keys, t) if noise is None else noise[:, t].float()).to(device)
+            eps = rng.to_device(step_noise(shape, keys, t) if noise is None else noise[:, t].float(), device)
         res = step(
             kind, x, v, sigmas[t], sigmas[t + 1], levels[t], sigma_1=sigma_1, noise=eps, reduction=reduction
         )

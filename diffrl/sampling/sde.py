@@ -146,15 +146,13 @@ def step(
     if next_latents is None:
         next_latents = mean if noise is None else mean + _bcast(std, mean) * noise.to(mean)
     next_latents = next_latents.float()
+    # Deterministic rows (std 0) have no density; they get log-prob 0 so they drop out of
+    # ratios. Decided without reading the device: every row is scored with std 1 standing
+    # in for 0 (finite values, so the gradient through the masked rows is an exact 0), and
+    # the mask picks. Rows with std > 0 get exactly the log-prob they had alone.
     safe = std > 0
-    if bool(safe.all()):
-        log_prob = step_log_prob(kind, next_latents.detach(), mean, std, reduction)
-    else:  # deterministic rows have no density; give them 0 so they drop out of ratios
-        log_prob = torch.zeros(x.shape[0], device=x.device, dtype=torch.float32)
-        if bool(safe.any()):
-            log_prob = log_prob.index_put(
-                (safe,), step_log_prob(kind, next_latents.detach()[safe], mean[safe], std[safe], reduction)
-            )
+    scored = step_log_prob(kind, next_latents.detach(), mean, torch.where(safe, std, 1.0), reduction)
+    log_prob = torch.where(safe, scored, torch.zeros_like(scored))
     return StepResult(next_latents, mean, std, std_t, log_prob)
 
 

@@ -333,7 +333,7 @@ def rollout_tree(
     lay = spec.layout(len(roots))
 
     grow = TreeGrowth(adapter, transformer, cond, cond_rows, sigmas, kinds, levels, cfg)
-    x = grow.start(initial_noise(shape, [(*r, 0) for r in roots]).to(adapter.device))
+    x = grow.start(rng.to_device(initial_noise(shape, [(*r, 0) for r in roots]), adapter.device))
     for t, kind in enumerate(kinds):
         here = lay["depth"] == t
         tree_of, ord_of = lay["tree"][here], lay["ordinal"][here]
@@ -342,7 +342,7 @@ def rollout_tree(
         parent_pos = torch.arange(len(ord_of)).repeat_interleave(b)
         child_ord = ord_of.repeat_interleave(b) * b + torch.arange(b).repeat(len(ord_of))
         eps = _edge_noise(shape, roots, tree_of[parent_pos], child_ord, kind, t, draw_scales[t])
-        x = grow.level(t, x, tree_of, parent_pos, eps.to(x.device))
+        x = grow.level(t, x, tree_of, parent_pos, rng.to_device(eps, x.device))
     traj = TreeTrajectory(
         **grow.node_tensors(),
         parent=lay["parent"],

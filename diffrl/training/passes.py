@@ -191,7 +191,7 @@ def step_edge_counts(train: torch.Tensor, depth: torch.Tensor, cfg) -> dict[int,
     fraction): what processes compare to agree on one pass structure."""
     counts = {}
     for t in sorted(set((depth[train] - 1).tolist())):
-        n = int((train & (depth - 1 == t)).sum())
+        n = sum((train & (depth - 1 == t)).tolist())  # host lists: no scalar read per step
         counts[t] = max(1, math.ceil(PassSettings.of(cfg).timestep_fraction * n))
     return counts
 
@@ -245,7 +245,7 @@ def edge_major(
             if len(part):
                 per_group[(i + t) % n_groups].append((t, part, part_live))
     groups = [parts for parts in per_group if parts]
-    live = [[int(a.sum()) for _, _, a in parts] for parts in groups]
+    live = [[sum(a.tolist()) for _, _, a in parts] for parts in groups]
     if mean_over_processes is not None:  # one collective for every group (same layout everywhere)
         means = iter(mean_over_processes([n for counts in live for n in counts]))
         live = [[next(means) for _ in counts] for counts in live]
@@ -269,7 +269,7 @@ def _group_passes(
         den = (live_here or 1) * live_steps if s.loss_weighting == "depth" else total
         for i in range(0, len(part), mb):
             chunk, chunk_live = part[i : i + mb], alive[i : i + mb]
-            counted = keep[chunk] & chunk_live
-            flags = None if bool(counted.all()) else counted.tolist()
-            passes.append(Pass(chunk.tolist(), t, (int(counted.sum()), den), flags))
+            counted = (keep[chunk] & chunk_live).tolist()
+            flags = None if all(counted) else counted
+            passes.append(Pass(chunk.tolist(), t, (sum(counted), den), flags))
     return passes

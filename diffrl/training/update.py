@@ -17,12 +17,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import DistributedType
 
 from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.sampling import rng
 from diffrl.training.passes import Pass, PassSettings, edge_major, sample_major, step_edge_counts
-from diffrl.training.sharding import max_over_processes, mean_over_processes, reshard
+from diffrl.training.sharding import max_over_processes, mean_over_processes, reshard, whole
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,23 @@ def _prompt_groups(traj, rows) -> torch.Tensor:
     return torch.tensor([ids.setdefault(tuple(traj.keys[i][:-1]), len(ids)) for i in rows])
 
 
-def _any_process(accelerator, flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+def _any_process(accelerator, flag) -> bool:
+    """Whether ``flag`` (a bool, or a bool tensor on the device) is true on any process:
+    one collective and one host read."""
+    t = torch.as_tensor(flag, device=accelerator.device).float().reshape(1)
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+
+
+def _means(totals: dict[str, list], device) -> dict[str, float]:
+    """The mean of each statistic, read to the host once: the per-pass statistics stay on
+    the device until here (a ``float()`` per statistic per pass was a device sync each)."""
+    if not totals:
+        return {}
+    means = [
+        torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in vals]).mean()
+        for vals in totals.values()
+    ]
+    return dict(zip(totals, torch.stack(means).tolist()))
 
 
 class Updater:
@@ -173,11 +188,11 @@ class Updater:
                     train, traj.depth, traj.num_leaves, s.passes, step, epoch, keep, pad_to, mean
                 )
 
-        totals: dict[str, list[float]] = defaultdict(list)
+        totals: dict[str, list] = defaultdict(list)
         for epoch in range(s.num_inner_epochs):
             for passes in plan(epoch):
                 self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
-        return {k: sum(v) / len(v) for k, v in totals.items()}
+        return _means(totals, self.acc.device)
 
     def _forward_steps(self, traj) -> list[int]:
         """A clean-sample objective may noise x0 to any step's sigma; ``objective.
@@ -201,32 +216,37 @@ class Updater:
         """Accumulate gradients over ``passes``, then step once."""
         # Every process runs the same passes (passes.py guarantees it), so the gradient
         # all-reduce of DDP happens once, on the last pass: no_sync skips it on the others.
-        # A non-finite loss anywhere marks the step bad on every process (_any_process is
-        # a collective), and the remaining passes still run their forwards so that the
-        # processes stay in step; only the backward is skipped.
-        bad = False
+        # Under FSDP every pass reduce-scatters instead: FSDP2's no_sync keeps whole
+        # (unsharded) gradients on every process until the last pass.
+        # Whether a loss was non-finite stays on the device until the step: the passes all
+        # run their backward, and one check before the optimizer step (a collective, so
+        # every process agrees) discards the whole gradient if any loss or the gradient norm
+        # was non-finite. One host read per optimizer step instead of one per pass.
+        fsdp = getattr(self.acc, "distributed_type", None) == DistributedType.FSDP
+        nonfinite = torch.zeros((), dtype=torch.bool, device=self.acc.device)
         for i, p in enumerate(passes):
             batch = self._step_batch(traj, cond, advantages, p)
             if self.forward_process and not p.anchor:
                 batch = self._forward_noised(batch, traj, p, epoch)
             last = i == len(passes) - 1
-            sync = contextlib.nullcontext() if last else self.acc.no_sync(self.model)
+            sync = contextlib.nullcontext() if last or fsdp else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
                 loss, stats = (anchor_loss if p.anchor else self.objective)(ctx, batch)
-            if _any_process(self.acc, not bool(torch.isfinite(loss))):
-                bad = True
-            if not bad:
+                nonfinite = nonfinite | ~torch.isfinite(whole(loss)).to(nonfinite.device)
                 num, den = p.share
                 # num == 1: divide only, as before shares existed (keeps old runs bitwise equal)
                 self.acc.backward(loss * num / den if num != 1 else loss / den)
             for k, v in stats.items():
-                totals[k].append(float(v))
+                totals[k].append(v.detach() if torch.is_tensor(v) else float(v))
         grad_norm = None
         max_norm = self.settings.max_grad_norm
-        if not bad and max_norm > 0:
+        if max_norm > 0:
             grad_norm = self.acc.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
-            bad = _any_process(self.acc, not bool(torch.isfinite(grad_norm)))
-        if bad:  # discard the partial gradient: a blow-up is never applied, only counted
+            grad_norm = whole(grad_norm)  # under FSDP a replicated DTensor: its local value
+            nonfinite = nonfinite | ~torch.isfinite(grad_norm).to(nonfinite.device)
+        if _any_process(
+            self.acc, nonfinite
+        ):  # discard the gradient: a blow-up is never applied, only counted
             self.optimizer.zero_grad(set_to_none=True)
             self.counters.skipped_nonfinite_loss += 1
             return
@@ -242,7 +262,7 @@ class Updater:
         for hook in self.after_step:
             hook()
         if grad_norm is not None:
-            totals["grad_norm"].append(float(grad_norm))
+            totals["grad_norm"].append(grad_norm)
 
     def _step_batch(self, traj, cond, advantages, p: Pass) -> StepBatch:
         device, t = self.acc.device, p.t
@@ -254,7 +274,7 @@ class Updater:
             x_next=x_next.to(device),
             sigma=sigmas[t],
             sigma_next=sigmas[t + 1],
-            sigma_1=float(traj.sigmas[1]) if len(traj.sigmas) > 1 else None,
+            sigma_1=self._sigma_1(traj),
             kind=traj.step_kinds[t],
             old_log_prob=old_log_prob.to(device),
             advantages=advantages[ix].to(device),
@@ -266,6 +286,11 @@ class Updater:
             old_mean=None if self.forward_process else traj.old_means(p.rows, t).to(device),
             groups=_prompt_groups(traj, p.rows).to(device) if self.whole_groups else None,
         )
+
+    @staticmethod
+    def _sigma_1(traj) -> float | None:
+        """sigma_1 (the CPS step rule's), read from the CPU copy of the grid."""
+        return traj.sigmas[1:2].tolist()[0] if len(traj.sigmas) > 1 else None  # no scalar read
 
     def _forward_noised(self, batch: StepBatch, traj, p: Pass, epoch: int) -> StepBatch:
         """A clean-sample objective's input: x_t = (1 - sigma_t) x0 + sigma_t eps with fresh

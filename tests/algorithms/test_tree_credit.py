@@ -223,3 +223,23 @@ def test_closed_form_edge_counts_match_the_mask(factors, kinds, options):
     mask = trained_edges(tree, cfg, 0, rewards)
     per_step = torch.bincount(tree.depth[mask] - 1, minlength=len(factors)).tolist()
     assert per_step == [3 * c for c in trained_edge_counts(tree.spec, tree.step_kinds, cfg, 0)]
+
+
+def test_zero_variance_share_matches_a_per_group_loop():
+    """The vectorised share of flat (tree, depth) groups equals the plain loop over groups
+    (single-node groups are structural and not counted)."""
+    from diffrl.algorithms.tree_credit import _zero_variance_share, multi_node
+
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.randint(0, 12, (200,), generator=gen)
+    values = torch.randint(0, 3, (200,), generator=gen).double()
+    values[groups == 4] = 1.0  # at least one flat group
+    values[groups == 5] = torch.tensor([0.5, 0.5 + 1e-12], dtype=torch.float64).repeat(100)[
+        : int((groups == 5).sum())
+    ]
+    multi = multi_node(groups)
+    ids = torch.unique(groups[multi]).tolist()
+    flat = [g for g in ids if (values[groups == g] == values[groups == g][0]).all()]
+    assert 4 in flat and 5 not in flat
+    assert _zero_variance_share(values, groups) == pytest.approx(len(flat) / len(ids))
+    assert _zero_variance_share(values, torch.arange(5)) == 0.0  # every group a single node
