@@ -220,3 +220,30 @@ def test_motion_probe_reads_the_direction_from_the_predicted_clip():
     deaf = motion_mass(_ClipDrawingModel(always="right"))
     assert abs(deaf["right"] - 12.0) < 1e-3 and abs(deaf["left"] + 12.0) < 1e-3
     assert abs(deaf["up"]) < 1e-3 and abs(deaf["mean"]) < 1e-3  # a deaf model's shifts cancel
+
+
+def test_the_video_dit_has_no_absolute_position_unlike_the_image_mmdit():
+    """Why the image recipe's position stage does not carry over (docs/BENCHMARKS.md, the
+    video toy): Wan's DiT encodes position only by RoPE, which is relative, so a constant
+    clip gives every token (every patch of every frame) the same output, and no caption
+    can put an object at an absolute place from pure noise. SD3's MMDiT adds absolute
+    sin-cos position embeddings, so the same test varies by token there."""
+    from diffrl.models import tiny
+    from diffrl.models.toy import ToyPipeline, build_components
+    from diffrl.models.toy_video import build_components as video_components
+
+    with tiny.seeded(0):
+        video = ToyVideoPipeline(**video_components())
+        image = ToyPipeline(**build_components())
+    with torch.no_grad():
+        out = video.velocity(
+            torch.zeros(1, 3, 5, 32, 32), torch.tensor([0.98]), video.text_embeddings(PROMPTS[:1])
+        )
+        tokens = out[0].reshape(3, 5, 4, 8, 4, 8).permute(1, 2, 4, 0, 3, 5).reshape(80, -1)
+        assert (tokens - tokens[0]).abs().max() < 1e-5
+        assert (tokens[0] - tokens[0].mean()).abs().max() > 1e-3  # within a patch it varies
+        cond = image.text_embeddings(["a red circle to the left"])
+        cond = cond if isinstance(cond, tuple) else (cond,)
+        out = image.velocity(torch.zeros(1, 3, 32, 32), torch.tensor([0.98]), *cond)
+        patches = out[0].reshape(3, 4, 8, 4, 8).permute(1, 3, 0, 2, 4).reshape(16, -1)
+        assert (patches - patches[0]).abs().max() > 1e-3
