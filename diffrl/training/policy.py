@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from diffrl.sampling import rng
-from diffrl.training.sharding import is_sharded, like, reshard, whole
+from diffrl.training.sharding import gathered_to_cpu, is_sharded, like, reshard
 
 
 class Policy:
@@ -81,9 +81,11 @@ class Policy:
             self.transformer.enable_adapters()
 
     # -- state ------------------------------------------------------------------------
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole tensors, also under FSDP (collective there: every process calls it)."""
-        return {n: whole(p).clone() for n, p in self.trainable_named_parameters()}
+    def trainable_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor]:
+        """Whole tensors on the CPU, gathered one at a time under FSDP (collective there:
+        every process calls it; only the main one, which writes, keeps them unless
+        ``keep`` says otherwise). See :func:`~diffrl.training.sharding.gathered_to_cpu`."""
+        return gathered_to_cpu(self.trainable_named_parameters(), keep)
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         params = dict(self.trainable_named_parameters())
@@ -168,7 +170,9 @@ class EMA:
     def state_dict(self) -> dict:
         """Whole shadows, also under FSDP (collective there; accelerate calls it on every
         process and the main one writes)."""
-        return {"decay": self.decay, "updates": self.updates, "shadow": [whole(s).cpu() for s in self.shadow]}
+        # kept on every process: accelerate may write registered objects on each node
+        shadow = gathered_to_cpu(((str(i), s) for i, s in enumerate(self.shadow)), keep=True)
+        return {"decay": self.decay, "updates": self.updates, "shadow": list(shadow.values())}
 
     def load_state_dict(self, state: dict) -> None:
         self.shadow = [like(s.float(), p.detach().float()) for s, p in zip(state["shadow"], self.params)]

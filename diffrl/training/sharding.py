@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -36,6 +36,30 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     shard), detached."""
     t = t.detach()
     return t.full_tensor() if is_sharded(t) else t
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the default process group, or the only process."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def gathered_to_cpu(tensors: Iterable[tuple[str, torch.Tensor]], keep: bool | None = None) -> dict:
+    """Whole copies of ``tensors`` on the CPU, gathered **one at a time**: each shard is
+    all-gathered, copied to the host and released before the next, so a process holds at
+    most one whole tensor on the device (gathering all at once held a whole fp32 model on
+    every GPU: 44 GiB for FLUX). Collective under FSDP: every process calls it with the same
+    tensors in the same order. Only ``keep`` processes (default: the main one, which writes)
+    keep the copies; the others return an empty dict after taking part in the gathers."""
+    keep = is_main_process() if keep is None else keep
+    out = {}
+    for name, t in tensors:
+        full = whole(t)
+        if keep:
+            out[name] = full.to("cpu", copy=True)
+        del full  # the gathered buffer goes before the next gather
+    return out
 
 
 def like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -74,3 +74,29 @@ def test_bf16_full_finetune_trains_end_to_end(tiny_cfg):
 def test_bf16_full_finetune_without_autocast_is_refused(tiny_cfg):
     with pytest.raises(ConfigError, match="needs train.mixed_precision: bf16"):
         tiny_cfg("flux", "model.dtype=bfloat16", "model.full_finetune=true", "train.mixed_precision=no")
+
+
+def test_trainable_state_dict_is_host_copies_kept_by_the_writer_only(tiny_cfg):
+    """Checkpoint weights are gathered one tensor at a time into host memory, and only
+    the process that writes keeps them (issue 37, defect 2)."""
+    from diffrl.training.sharding import gathered_to_cpu
+
+    cfg = tiny_cfg("flux")
+    policy = Policy(build_adapter(cfg.model), cfg.model, cfg.seed)
+    live = dict(policy.trainable_named_parameters())
+    state = policy.trainable_state_dict()  # one process: it is the main one
+    assert list(state) == list(live)
+    for name, t in state.items():
+        assert t.device.type == "cpu" and torch.equal(t, live[name].detach().cpu())
+        assert t.data_ptr() != live[name].data_ptr()  # a copy, not a view of the live weights
+    assert policy.trainable_state_dict(keep=False) == {}
+    gathered = []
+    import diffrl.training.sharding as sharding
+
+    original = sharding.whole
+    try:
+        sharding.whole = lambda t: gathered.append(t) or original(t)
+        assert gathered_to_cpu(live.items(), keep=False) == {}
+    finally:
+        sharding.whole = original
+    assert len(gathered) == len(live)  # a non-writer still takes part in every gather
