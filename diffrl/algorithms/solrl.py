@@ -84,7 +84,7 @@ class SolRLStage:
     """Owns the exploration copy and runs explore -> select -> regenerate. ``settings``
     is a :class:`SolRLSettings` or a whole config, narrowed to one."""
 
-    def __init__(self, settings, transformer, reward_fn, log=print, align_forwards=None):
+    def __init__(self, settings, transformer, reward_fn, log=print, align_forwards=None, device=None):
         self.settings, self.reward_fn = SolRLSettings.of(settings), reward_fn
         # FSDP: maps this process's per-level forward counts of a sub-tree regeneration
         # to the counts every process runs (see regenerate_subtree); None runs its own
@@ -96,7 +96,7 @@ class SolRLStage:
             from diffrl.quant.backends import build_exploration_copy
 
             self.copy = build_exploration_copy(
-                transformer, s.family, sol.precision, sol.backend, sol.keep_high, log=log
+                transformer, s.family, sol.precision, sol.backend, sol.keep_high, log=log, device=device
             )
         else:
             log("solrl: exploring with the policy itself (precision bf16, the control)")

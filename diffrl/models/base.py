@@ -120,6 +120,15 @@ class FlowAdapter(ABC):
         self._prompt_cache = {k: v.to(device) for k, v in self._prompt_cache.items()}
         return self
 
+    def frozen_to(self, device) -> FlowAdapter:
+        """Move everything but the trained transformer(s): what FSDP needs, whose
+        ``prepare`` places the transformer's shards itself (moving it whole first would
+        hold the whole model on every GPU before sharding)."""
+        for module in self.frozen_modules():
+            module.to(device)
+        self._prompt_cache = {k: v.to(device) for k, v in self._prompt_cache.items()}
+        return self
+
     # -- prompts ------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Embeddings for ``prompts``, batch-first; each distinct prompt is encoded once."""

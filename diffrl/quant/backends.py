@@ -238,12 +238,12 @@ class ModelOptCopy(ExplorationCopy):
 
     backend = "modelopt"
 
-    def __init__(self, transformer: nn.Module, precision: str, keep_high=(), forward_loop=None):
+    def __init__(self, transformer: nn.Module, precision: str, keep_high=(), forward_loop=None, device=None):
         if precision not in ("nvfp4", "fp8"):
             raise ValueError(f"ModelOptCopy quantizes nvfp4 or fp8, not '{precision}'")
         self.forward_loop = forward_loop
         self._mtq = None
-        super().__init__(transformer, precision, keep_high)
+        super().__init__(transformer, precision, keep_high, device)
         import modelopt.torch.quantization as mtq
 
         targets = _swap_pointwise_convs(self.model, self.quantized)
@@ -310,9 +310,9 @@ class TorchaoCopy(ExplorationCopy):
 
     backend = "torchao"
 
-    def __init__(self, transformer: nn.Module, keep_high=(), compile: bool = True):
+    def __init__(self, transformer: nn.Module, keep_high=(), compile: bool = True, device=None):
         self._config = None
-        super().__init__(transformer, "fp8", keep_high)
+        super().__init__(transformer, "fp8", keep_high, device)
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         self._quantize_ = quantize_
@@ -363,6 +363,7 @@ def build_exploration_copy(
     *,
     forward_loop=None,
     compile: bool = True,
+    device=None,
 ):
     """The exploration copy of ``transformer`` at ``precision``, on the backend that
     ``choose_backend`` picks (or the one requested). ``keep_high=None`` uses the family's
@@ -371,17 +372,18 @@ def build_exploration_copy(
     (reload the merged weights and re-quantize; call it after every optimizer step).
 
     ``forward_loop`` (modelopt only) runs calibration batches through a model;
-    ``compile`` (torchao only) wraps the model in ``torch.compile``.
+    ``compile`` (torchao only) wraps the model in ``torch.compile``; ``device`` places the
+    copy there before it is quantized (default: the transformer's device).
     """
     defaults = default_keep_high(family)  # also checks the family
     patterns = defaults if keep_high is None else tuple(keep_high)
     chosen, reason = choose_backend(precision, backend)
     if chosen == "modelopt":
-        copy = ModelOptCopy(transformer, precision, patterns, forward_loop=forward_loop)
+        copy = ModelOptCopy(transformer, precision, patterns, forward_loop=forward_loop, device=device)
     elif chosen == "torchao":
-        copy = TorchaoCopy(transformer, patterns, compile=compile)
+        copy = TorchaoCopy(transformer, patterns, compile=compile, device=device)
     else:
-        copy = ExplorationCopy(transformer, precision, patterns)
+        copy = ExplorationCopy(transformer, precision, patterns, device=device)
         copy.backend = chosen
     source = f"{family} defaults" if keep_high is None else "custom keep_high"
     if precision == "bf16":

@@ -113,11 +113,15 @@ class ExplorationCopy:
 
     backend = "reference"
 
-    def __init__(self, transformer: nn.Module, precision: str, keep_high=()):
+    def __init__(self, transformer: nn.Module, precision: str, keep_high=(), device=None):
         if precision not in PRECISIONS:
             raise ValueError(f"unknown exploration precision '{precision}'; valid: {', '.join(PRECISIONS)}")
         self.precision, self.keep_high = precision, tuple(keep_high)
+        # ``device``: where the copy lives when the transformer is not there (under FSDP the
+        # whole transformer stays in host memory until prepare shards it onto the devices)
         self.model = _unwrapped_copy(transformer)
+        if device is not None:
+            self.model.to(device)
         self.layer_names = [n for n, m in self.model.named_modules() if isinstance(m, _WEIGHT_LAYERS)]
         self._layer_set = set(self.layer_names)
         self.quantizable = [n for n in self.layer_names if is_quantizable(self.model.get_submodule(n))]

@@ -70,11 +70,15 @@ class Trainer:
 
     def _build_policy(self, cfg: Config) -> None:
         """The model, its trainable weights, the rollout handle, the optimizer and schedule."""
-        self.adapter = build_adapter(cfg.model)
-        self.adapter.to(self.acc.device)
-        self.reward_fn.to(self.acc.device)
-        # under FSDP accelerate's prepare upcasts the trainable weights shard by shard
+        # Under FSDP the transformer stays in host memory until prepare: fully_shard moves
+        # it to the device one block at a time, as shards, and accelerate upcasts the
+        # trainable shards; the frozen modules and the rewards follow after prepare, so
+        # they are not on the device while it shards. Otherwise everything moves now.
         fsdp = self.acc.distributed_type == DistributedType.FSDP
+        self.adapter = build_adapter(cfg.model)
+        if not fsdp:
+            self.adapter.to(self.acc.device)
+            self.reward_fn.to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not fsdp)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
         self.rollout_model = compiled(self.adapter.transformer, cfg.perf)
@@ -87,9 +91,11 @@ class Trainer:
         )
         self.solrl = self._build_solrl(cfg)  # before prepare: from the whole, unsharded weights
         self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
-        if self.acc.distributed_type == DistributedType.FSDP:
+        if fsdp:
             if self.policy.frozen_reference is not None:  # full fine-tuning's KL reference
-                shard_frozen_copy(self.policy.frozen_reference)
+                shard_frozen_copy(self.policy.frozen_reference)  # from host memory, block by block
+            self.adapter.frozen_to(self.acc.device)
+            self.reward_fn.to(self.acc.device)
             self.acc.print(f"FSDP: the transformer is sharded over {self.acc.num_processes} processes")
         # Not passed through prepare(): accelerate would step it once per *process* per
         # optimizer step, while our step counts are already per optimizer step.
@@ -146,6 +152,7 @@ class Trainer:
             self.reward_fn,
             log=self.acc.print,
             align_forwards=(lambda counts: max_over_processes(self.acc, counts)) if fsdp else None,
+            device=self.acc.device if fsdp else None,  # the transformer is still in host memory
         )
 
     # -- stages ---------------------------------------------------------------------------
