@@ -331,6 +331,11 @@ class TrainConfig:
         "Stop (non-zero exit) after this many iterations in a row that applied no update because of "
         "non-finite rewards or losses; 0 never stops.",
     )
+    collective_timeout_minutes: float = _f(
+        60.0,
+        "How long a collective may wait before the process group gives up (torch's default is 10 "
+        "minutes, less than a first compile or a 12B checkpoint write can take on another process).",
+    )
 
 
 @dataclass

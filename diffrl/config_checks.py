@@ -22,6 +22,7 @@ def check(cfg) -> None:
         (cfg.train.gradient_accumulation >= 1, "train.gradient_accumulation must be >= 1"),
         (cfg.train.max_steps >= 0, "train.max_steps must be >= 0"),
         (0 <= cfg.train.ema_decay < 1, "train.ema_decay must be in [0, 1)"),
+        (cfg.train.collective_timeout_minutes > 0, "train.collective_timeout_minutes must be > 0"),
         (len(cfg.rewards) >= 1, "rewards: at least one reward is required"),
         (
             cfg.model.height % 16 == 0 and cfg.model.width % 16 == 0,

@@ -3,12 +3,13 @@ actually installed) and the learning-rate schedule."""
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
 from diffrl.config import Config
 
@@ -16,7 +17,14 @@ from diffrl.config import Config
 def make_accelerator(cfg: Config) -> Accelerator:
     project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs"))
     trackers = installed_trackers(cfg.logging.trackers) or None
-    acc = Accelerator(mixed_precision=cfg.train.mixed_precision, log_with=trackers, project_config=project)
+    # the process group's timeout: every collective waits this long for the slowest process
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=cfg.train.collective_timeout_minutes))
+    acc = Accelerator(
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=trackers,
+        project_config=project,
+        kwargs_handlers=[timeout],
+    )
     if fsdp_requested() and acc.distributed_type == DistributedType.MULTI_CPU:
         _shard_on_cpu(acc)
     return acc

@@ -236,3 +236,20 @@ def test_bf16_autocast_and_gradient_checkpointing_run(tiny_cfg):
     history = trainer.fit()
     assert torch.isfinite(torch.tensor(history[-1]["loss"]))
     assert any(not torch.equal(before[n], p) for n, p in _params(trainer).items())
+
+
+def test_the_process_group_waits_as_long_as_configured(tiny_cfg):
+    """torch's 10-minute default is shorter than a first compile or a large checkpoint
+    write on another process (issue 37, defect 8): accelerate gets train's timeout."""
+    import datetime
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from diffrl.config import ConfigError
+    from diffrl.training.setup import make_accelerator
+
+    acc = make_accelerator(tiny_cfg("flux", "train.collective_timeout_minutes=90"))
+    assert isinstance(acc.init_handler, InitProcessGroupKwargs)  # passed to init_process_group
+    assert acc.init_handler.timeout == datetime.timedelta(minutes=90)
+    with pytest.raises(ConfigError, match="collective_timeout_minutes must be > 0"):
+        tiny_cfg("flux", "train.collective_timeout_minutes=0")
