@@ -124,6 +124,8 @@ def run_sections(args, cfg, written, device) -> dict:
 
     out: dict = {}
     wanted = args.sections.split(",")
+    # forwards and training steps run under what training runs them under
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
     if any(s in wanted for s in ("tree", "precision", "train", "optimisations")):
         adapter, policy = build_policy(cfg, device)
         if "tree" in wanted:
@@ -132,7 +134,13 @@ def run_sections(args, cfg, written, device) -> dict:
         if "precision" in wanted:
             steps = cfg.solrl.explore_num_steps if cfg.solrl.explore == "ode" else cfg.sampling.num_steps
             out["precision"] = bench.exploration_precision(
-                adapter, check_modes(args.modes), args.batch, steps or cfg.sampling.num_steps, args.repeats
+                adapter,
+                check_modes(args.modes),
+                args.batch,
+                steps or cfg.sampling.num_steps,
+                args.repeats,
+                autocast=autocast,
+                compile=args.compile,
             )
         if "optimisations" in wanted:
             out["optimisations"] = bench.rollout_optimisations(
@@ -145,6 +153,7 @@ def run_sections(args, cfg, written, device) -> dict:
                 args.repeats,
                 torch_dtype(cfg.model.dtype),
                 cfg.objective.train_cfg,
+                autocast,
             )
         del adapter, policy  # the iteration section builds its own trainers
         bench.release_memory()
@@ -312,6 +321,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=("none", "fsdp"),
         default="none",
         help="estimate section: whose parts to list (both totals are printed side by side)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="precision section: torch.compile every raced model alike (baseline included)",
     )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     return p

@@ -103,7 +103,15 @@ def _samplers(adapter, cfg, spec, keys, cond, out: dict) -> dict:
 
 # -- exploration precision ----------------------------------------------------------------
 def exploration_precision(
-    adapter, modes: list[str], batch: int, steps: int, repeats: int, log=print
+    adapter,
+    modes: list[str],
+    batch: int,
+    steps: int,
+    repeats: int,
+    log=print,
+    *,
+    autocast: torch.dtype | None = None,
+    compile: bool = False,
 ) -> list[dict]:
     """The policy against exploration copies (Sol-RL stage 1), one velocity evaluation over
     ``batch`` pool candidates per call; images/s assumes ``steps`` evaluations per image.
@@ -116,16 +124,32 @@ def exploration_precision(
     the policy and two copies are resident (FLUX.1-dev: 24 GB each in BF16).
     ``speed_vs_bf16`` is the pair's ratio; ``policy_dtype`` says what the policy runs in
     (fp32 on the CPU twins).
+
+    Like for like: every raced model is built eager (torchao's copy too) and, with
+    ``compile``, every one is wrapped in ``torch.compile`` the same way, so a ratio never
+    includes compile gains on one side only; every call runs under ``autocast`` when given
+    (training's ``train.mixed_precision``). Inductor settings that a backend changes (torchao
+    sets some at import) are restored afterwards, so later sections compile as before.
     """
+    import torch._inductor.config as inductor
+
+    settings = inductor.get_config_copy()
+    try:
+        return _race_precisions(adapter, modes, batch, steps, repeats, log, autocast, compile)
+    finally:
+        inductor.load_config(settings)
+
+
+def _race_precisions(adapter, modes, batch, steps, repeats, log, autocast, compile) -> list[dict]:
     base_mode = "bf16" if "bf16" in modes else modes[0]
-    base_model = _exploration_model(adapter, base_mode, log)
+    base_model = _exploration_model(adapter, base_mode, log, compile)
     dtype = str(next(adapter.transformer.parameters()).dtype).removeprefix("torch.")
     rows = {}
     for mode in [m for m in modes if m != base_mode] or [base_mode]:
-        model = base_model if mode == base_mode else _exploration_model(adapter, mode, log)
+        model = base_model if mode == base_mode else _exploration_model(adapter, mode, log, compile)
         fns = {
-            base_mode: F.velocity_fn(adapter, base_model, batch),
-            mode: F.velocity_fn(adapter, model, batch),
+            base_mode: F.velocity_fn(adapter, base_model, batch, autocast=autocast),
+            mode: F.velocity_fn(adapter, model, batch, autocast=autocast),
         }
         res = race(fns, adapter.device, repeats)
         rows.setdefault(base_mode, res[base_mode])
@@ -141,40 +165,54 @@ def exploration_precision(
             "images_per_s": batch / (rows[m]["seconds"] * steps),
             "speed_vs_bf16": rows[m]["ratio"],
             "peak_gib": rows[m]["peak_gib"],
+            "compiled": compile,
+            "autocast": str(autocast).removeprefix("torch.") if autocast else "no",
         }
         for m in modes
     ]
 
 
-def _exploration_model(adapter, mode: str, log):
+def _exploration_model(adapter, mode: str, log, compile: bool = False):
+    """The model a mode explores with: eager, then compiled when asked (all alike)."""
     if mode == "policy":
-        return adapter.transformer
-    from diffrl.quant.backends import build_exploration_copy
+        model = adapter.transformer
+    else:
+        from diffrl.quant.backends import build_exploration_copy
 
-    precision, _, backend = mode.partition(":")
-    return build_exploration_copy(
-        adapter.transformer, adapter.family, precision, backend or "auto", log=log
-    ).model
+        precision, _, backend = mode.partition(":")
+        model = build_exploration_copy(
+            adapter.transformer, adapter.family, precision, backend or "auto", log=log, compile=False
+        ).model
+    return torch.compile(model) if compile else model
 
 
 # -- one training step --------------------------------------------------------------------
-def training_step(adapter, batch: int, repeats: int, dtype: torch.dtype, guidance: bool = True) -> dict:
+def training_step(
+    adapter,
+    batch: int,
+    repeats: int,
+    dtype: torch.dtype,
+    guidance: bool = True,
+    autocast: torch.dtype | None = None,
+) -> dict:
     """One policy forward + backward over ``batch`` samples (CFG rows when ``guidance``):
     seconds, peak memory, FLOPs (counted by FlopCounterMode and printed), and utilisation.
 
     ``mfu`` counts the model's FLOPs (no recompute); ``hfu`` counts what ran, including
     gradient checkpointing's recompute. The denominator is the device's spec-sheet dense
-    peak, or on an unlisted device a measured GEMM peak (``peak_basis`` says which).
+    peak, or on an unlisted device a measured GEMM peak (``peak_basis`` says which). The
+    step runs under ``autocast`` when given (training's ``train.mixed_precision``).
+
+    The recompute is one more forward of the checkpointed blocks; it is taken as one whole
+    no-grad forward (counted without running a backward, so nothing is turned off: running
+    the step without checkpointing to count it ran out of memory at FLUX size). That
+    slightly overstates the recompute by the few layers outside the blocks.
     """
-    fn = F.train_step_fn(adapter, batch, guidance)
+    fn = F.train_step_fn(adapter, batch, guidance, autocast)
     executed = F.count_flops(fn)
-    transformer = adapter.transformer
-    checkpointing = getattr(transformer, "is_gradient_checkpointing", False)
-    if checkpointing:
-        transformer.disable_gradient_checkpointing()
-    model_flops = F.count_flops(fn)
-    if checkpointing:
-        transformer.enable_gradient_checkpointing()
+    checkpointing = getattr(adapter.transformer, "is_gradient_checkpointing", False)
+    recompute = F.count_flops(F.velocity_fn(adapter, adapter.transformer, batch, guidance, autocast))
+    model_flops = executed - recompute if checkpointing else executed
     res = race({"step": fn}, adapter.device, repeats)["step"]
     name = device_name(adapter.device)
     peak, basis = spec_peak(name, str(dtype).removeprefix("torch.")), "spec sheet"

@@ -9,6 +9,8 @@ for them (about 2x the forward, not the 3x of full training).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
@@ -76,18 +78,27 @@ def velocity_inputs(adapter, batch: int, sigma: float = 0.5):
     return latents, torch.full((batch,), sigma, device=device), cond
 
 
-def velocity_fn(adapter, transformer, batch: int, guidance: bool = True):
-    """A closure running one velocity evaluation (with CFG where the family uses it)."""
+def autocast_context(device, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype`` on ``device``'s type (what training's
+    ``train.mixed_precision`` runs under), or nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def velocity_fn(adapter, transformer, batch: int, guidance: bool = True, autocast: torch.dtype | None = None):
+    """A closure running one velocity evaluation (with CFG where the family uses it),
+    under ``autocast`` when given."""
     latents, sigma, cond = velocity_inputs(adapter, batch)
 
     def run():
-        with torch.no_grad():
+        with torch.no_grad(), autocast_context(latents.device, autocast):
             return adapter.velocity(transformer, latents, sigma, cond, guidance=guidance)
 
     return run
 
 
-def train_step_fn(adapter, batch: int, guidance: bool = True):
+def train_step_fn(adapter, batch: int, guidance: bool = True, autocast: torch.dtype | None = None):
     """A closure running one training forward + backward of the (LoRA) policy velocity.
 
     The loss is a stand-in with the flow-GRPO step's shape of work (a policy velocity
@@ -100,7 +111,8 @@ def train_step_fn(adapter, batch: int, guidance: bool = True):
 
     def run():
         with torch.enable_grad():
-            v = adapter.velocity(transformer, latents, sigma, cond, guidance=guidance)
+            with autocast_context(latents.device, autocast):  # backward runs outside, as training's
+                v = adapter.velocity(transformer, latents, sigma, cond, guidance=guidance)
             v.float().square().mean().backward()
         for p in transformer.parameters():
             p.grad = None

@@ -1,6 +1,7 @@
 """FLOP counts and saved-activation counts against independent references: forward
 hooks on every linear layer plus the attention formula, and hand-derived byte counts."""
 
+import pytest
 import torch
 
 from diffrl.models import build_adapter
@@ -74,3 +75,55 @@ def test_spec_peaks_prefer_the_specific_name():
     assert spec_peak("NVIDIA H100 NVL") == 835.5e12 and spec_peak("NVIDIA GB200") == 2500e12
     assert spec_peak("NVIDIA H100 80GB HBM3", "float32") is None
     assert spec_peak("cpu (2 threads)") is None
+
+
+def test_model_flops_under_checkpointing_match_a_run_without_it(tiny_cfg):
+    """The train section counts the recompute as one no-grad forward instead of running
+    the step without checkpointing (which ran out of memory at FLUX size): its model
+    FLOPs equal a second count taken with checkpointing off, within the few layers
+    outside the blocks (issue 37, defect 7)."""
+    from diffrl.models import build_adapter
+    from diffrl.perf import bench
+    from diffrl.perf.flops import count_flops, train_step_fn
+    from diffrl.training.policy import Policy
+
+    cfg = tiny_cfg("flux")
+    adapter = build_adapter(cfg.model)
+    Policy(adapter, cfg.model, cfg.seed)
+    adapter.transformer.enable_gradient_checkpointing()
+    row = bench.training_step(adapter, 2, repeats=1, dtype=torch.float32)
+    adapter.transformer.disable_gradient_checkpointing()
+    without = count_flops(train_step_fn(adapter, 2)) / 1e12
+    assert row["executed_tflop"] > without  # the recompute ran
+    assert row["model_tflop"] == pytest.approx(without, rel=0.1)
+    assert row["model_tflop"] <= without  # the overstated recompute errs low, never high
+
+
+def test_precision_race_compiles_every_model_alike_and_restores_inductor(tiny_cfg, monkeypatch):
+    """A ratio must not include compile gains on one side only, and a backend's inductor
+    settings must not leak into later compiles (issue 37, defect 7)."""
+    import torch._inductor.config as inductor
+
+    from diffrl.models import build_adapter
+    from diffrl.perf import bench
+    from diffrl.quant import backends
+
+    adapter = build_adapter(tiny_cfg("flux").model)
+    compiled, built = [], []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(model) or model)
+    real_build = backends.build_exploration_copy
+
+    def build(*args, **kwargs):
+        built.append(kwargs.get("compile"))
+        inductor.max_autotune = not inductor.max_autotune  # a backend touching global settings
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "build_exploration_copy", build)
+    before = inductor.max_autotune
+    rows = bench.exploration_precision(
+        adapter, ["bf16", "fp8"], 2, 4, repeats=1, log=lambda _: None, compile=True
+    )
+    assert inductor.max_autotune == before
+    assert built == [False, False]  # every copy built eager...
+    assert len(compiled) == 2  # ...and both raced models compiled the same way
+    assert all(r["compiled"] for r in rows)
