@@ -82,7 +82,10 @@ class Trajectory:
         return Trajectory(**out)
 
     @staticmethod
-    def cat(parts: list[Trajectory]) -> Trajectory:
+    def cat(parts: list[Trajectory], consume: bool = False) -> Trajectory:
+        """One trajectory of ``parts`` in order. ``consume``: the parts are dropped field by
+        field as they are joined, so joining holds the whole plus one field's worth, not two
+        wholes (an iteration's trajectories are its largest buffer)."""
         first = parts[0]
         out = {}
         for f in fields(first):
@@ -97,6 +100,10 @@ class Trajectory:
                 out[f.name] = None
             else:
                 out[f.name] = torch.cat(values)
+                if consume:
+                    del values
+                    for p in parts:
+                        setattr(p, f.name, None)
         return Trajectory(**out)
 
 
@@ -211,4 +218,4 @@ def rollout_independent(
         if on_images is not None:
             on_images(idx, traj.images)
         parts.append(traj)
-    return Trajectory.cat(parts)
+    return Trajectory.cat(parts, consume=True)

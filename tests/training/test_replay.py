@@ -126,3 +126,22 @@ def test_replay_of_stored_noise_reproduces_sample(tiny_cfg):
                 noise=traj.step_noise[:, t],
             ).next_latents
     torch.testing.assert_close(x, traj.latents[:, -1], atol=1e-6, rtol=0)
+
+
+def test_joining_chunks_consumes_them_field_by_field(tiny_cfg):
+    """rollout_independent joins its chunks with consume=True: the result equals a plain
+    join, and each chunk's tensors are released as their field is joined, so the join
+    never holds two copies of the iteration's trajectories (issue 37, defect 6)."""
+    from diffrl.sampling.rollout import Trajectory
+
+    cfg = tiny_cfg("flux")
+    adapter, _ = _setup(cfg, perturb_lora=False)
+    cond = adapter.encode_prompts(["a cat"] * 4)
+    whole = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg)
+    parts = [whole.select([0, 1]), whole.select([2, 3])]
+    plain = Trajectory.cat(parts)
+    joined = Trajectory.cat(parts, consume=True)
+    for name in ("latents", "means", "log_probs", "stds", "step_noise", "images"):
+        assert torch.equal(getattr(joined, name), getattr(plain, name)), name
+        assert all(getattr(p, name) is None for p in parts), name
+    assert joined.keys == whole.keys and joined.nfe == plain.nfe
