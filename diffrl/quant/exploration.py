@@ -92,11 +92,31 @@ def _unwrapped_copy(transformer: nn.Module) -> nn.Module:
     return model.requires_grad_(False).eval()
 
 
-def _activation_quantizer(precision: str):
+# elements quantized at once: the pure-PyTorch NVFP4 path holds about 8 fp32 temporaries
+# per element (blocks, scales, quotients, rounding branches), 9 GiB for a 1024^2 FLUX
+# activation at batch 4 in one piece; 2^24 elements keep it near 0.5 GiB
+CHUNK_ELEMENTS = 2**24
+
+
+def _activation_quantizer(precision: str, chunk_elements: int = CHUNK_ELEMENTS):
+    """Fake-quantize an activation with one scale per sample (dim 0), a few samples at a
+    time: the scales are per sample, so chunking along dim 0 changes no value."""
     if precision == "nvfp4":
-        return lambda x: fake_nvfp4(x, per_sample=True).to(x.dtype)
-    # one E4M3 scale per sample: flatten each sample into a row
-    return lambda x: fake_fp8(x.reshape(x.shape[0], -1), per_row=True).reshape(x.shape).to(x.dtype)
+
+        def one(x):
+            return fake_nvfp4(x, per_sample=True)
+    else:
+
+        def one(x):  # one E4M3 scale per sample: flatten each sample into a row
+            return fake_fp8(x.reshape(x.shape[0], -1), per_row=True).reshape(x.shape)
+
+    def quantize(x):
+        rows = max(1, chunk_elements // max(1, x[:1].numel()))
+        if x.shape[0] <= rows:
+            return one(x).to(x.dtype)
+        return torch.cat([one(part).to(x.dtype) for part in x.split(rows)])
+
+    return quantize
 
 
 def _channels_last(quant):

@@ -156,3 +156,17 @@ def test_sync_loads_biases_of_layers():
         source = policy.transformer.get_submodule(name)
         if bias is not None:
             assert torch.equal(bias, getattr(source, "base_layer", source).bias)
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8"])
+def test_activation_quantizer_in_chunks_equals_one_piece(precision):
+    """Activations are quantized a few samples at a time to bound the reference path's
+    fp32 temporaries (issue 37, defect 7); per-sample scales make that exact."""
+    from diffrl.quant.exploration import _activation_quantizer
+
+    x = torch.randn(7, 5, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x[3] *= 50  # one loud sample: a shared scale would change the others
+    whole = _activation_quantizer(precision, chunk_elements=10**9)(x)
+    chunked = _activation_quantizer(precision, chunk_elements=2 * 5 * 48)(x)  # 2 samples a chunk
+    assert chunked.dtype == x.dtype and torch.equal(whole, chunked)
+    assert not torch.equal(whole, x)  # it quantized
