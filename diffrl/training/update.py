@@ -88,7 +88,7 @@ def _means(totals: dict[str, list], device) -> dict[str, float]:
     if not totals:
         return {}
     means = [
-        torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device) for v in vals]).mean()
+        torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in vals]).mean()
         for vals in totals.values()
     ]
     return dict(zip(totals, torch.stack(means).tolist()))
