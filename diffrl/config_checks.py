@@ -33,15 +33,7 @@ def check(cfg) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    window = cfg.sampling.sde_window
-    if window is not None and not (len(window) == 2 and 0 <= window[0] < window[1] <= cfg.sampling.num_steps):
-        raise ConfigError(
-            f"sampling.sde_window must be [start, end) within [0, {cfg.sampling.num_steps}], got {window}"
-        )
-    if cfg.sampling.sde_window_slide_every < 0 or cfg.sampling.sde_window_slide_stride < 1:
-        raise ConfigError(
-            "sampling.sde_window_slide_every must be >= 0 and sampling.sde_window_slide_stride >= 1"
-        )
+    _check_sde_window(cfg.sampling)
     if cfg.rollout.strategy == "tree":
         _check_tree(cfg)
     if cfg.solrl.enabled:
@@ -70,6 +62,18 @@ def check(cfg) -> None:
         raise ConfigError(
             "objective.anchor_coef works with independent rollouts only (rollout.strategy: "
             "independent); trees train the steps their edges cover: set objective.anchor_coef to 0"
+        )
+
+
+def _check_sde_window(sampling) -> None:
+    window = sampling.sde_window
+    if window is not None and not (len(window) == 2 and 0 <= window[0] < window[1] <= sampling.num_steps):
+        raise ConfigError(
+            f"sampling.sde_window must be [start, end) within [0, {sampling.num_steps}], got {window}"
+        )
+    if sampling.sde_window_slide_every < 0 or sampling.sde_window_slide_stride < 1:
+        raise ConfigError(
+            "sampling.sde_window_slide_every must be >= 0 and sampling.sde_window_slide_stride >= 1"
         )
 
 

@@ -54,31 +54,35 @@ def _local_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def main(out: str, run_dir: str) -> None:
-    _mid_size_toy()
-    from diffrl.config import load_config
-    from diffrl.models.base import FlowAdapter
-    from diffrl.training.trainer import Trainer
+def _spies() -> tuple[list, list]:
+    """Record every whole-adapter move to a device, and every time FSDP2's gradient sync
+    is switched off (accelerate's no_sync: whole gradients then accumulate everywhere)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    moved = []
-    original_to = FlowAdapter.to
+    from diffrl.models.base import FlowAdapter
+
+    moved, unsynced = [], []
+    original_to, original_sync = FlowAdapter.to, FSDPModule.set_requires_gradient_sync
 
     def spy_to(self, device):
         moved.append(str(device))
         return original_to(self, device)
-
-    FlowAdapter.to = spy_to
-    from torch.distributed.fsdp import FSDPModule
-
-    unsynced = []  # FSDP2's no_sync: whole gradients accumulate on every process while off
-    original_sync = FSDPModule.set_requires_gradient_sync
 
     def spy_sync(self, requires, *args, **kwargs):
         if not requires:
             unsynced.append(type(self).__name__)
         return original_sync(self, requires, *args, **kwargs)
 
-    FSDPModule.set_requires_gradient_sync = spy_sync
+    FlowAdapter.to, FSDPModule.set_requires_gradient_sync = spy_to, spy_sync
+    return moved, unsynced
+
+
+def main(out: str, run_dir: str) -> None:
+    _mid_size_toy()
+    from diffrl.config import load_config
+    from diffrl.training.trainer import Trainer
+
+    moved, unsynced = _spies()
     sets = [
         f"output_dir={run_dir}",
         "model.full_finetune=true",
