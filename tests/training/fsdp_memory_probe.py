@@ -8,8 +8,8 @@ What it records:
 * ``gradient_sync_turned_off``: how often FSDP2's gradient sync was switched off (accelerate's
   ``no_sync``), which keeps whole gradients on every process between passes;
 * local bytes of the trainable weights and of the frozen reference after start-up;
-* the growth of the resident set (peak minus start, from /proc) during a second
-  training iteration, when the optimizer state already exists, and over its forward and
+* with ``rss`` as a third argument, the growth of the resident set (peak minus start,
+  from /proc) during a second training iteration, when the optimizer state already exists, and over its forward and
   backward passes alone (up to the first optimizer step): gradients, gathered blocks
   and activations, which must not include whole gradients. Run it with
   MALLOC_MMAP_THRESHOLD_ set low, so freed tensors leave the resident set.
@@ -77,7 +77,7 @@ def _spies() -> tuple[list, list]:
     return moved, unsynced
 
 
-def main(out: str, run_dir: str) -> None:
+def main(out: str, run_dir: str, measure_rss: bool = False) -> None:
     _mid_size_toy()
     from diffrl.config import load_config
     from diffrl.training.trainer import Trainer
@@ -88,7 +88,7 @@ def main(out: str, run_dir: str) -> None:
         "model.full_finetune=true",
         "objective.kl_coef=0.01",
         "train.max_steps=2",
-        "train.micro_batch_size=1",  # several passes per optimizer step: gradients accumulate
+        "train.micro_batch_size=2",  # several passes per optimizer step: gradients accumulate
         "eval.every=0",
         "eval.at_start=false",
         "checkpoint.every=0",
@@ -97,7 +97,26 @@ def main(out: str, run_dir: str) -> None:
     trainer = Trainer(load_config("tiny_toy_flowgrpo", sets))
     # fp32 master weights: 4 bytes for every element of the whole (unsharded) parameters
     whole = sum(4 * p.numel() for p in trainer.policy.trainable_parameters())
-    trainer.train_step(0)  # creates the optimizer state
+    trainer.train_step(0)  # creates the optimizer state; the spies watch its passes
+    rss = _rss_of_a_second_step(trainer) if measure_rss else {}
+    reference = trainer.policy.frozen_reference
+    row = {
+        "rank": trainer.acc.process_index,
+        "processes": trainer.acc.num_processes,
+        "fsdp": trainer.acc.distributed_type.value,
+        "moved_whole": moved,
+        "whole_trainable_bytes": whole,
+        "local_trainable_bytes": _local_bytes(trainer.adapter.transformer),
+        "local_reference_bytes": _local_bytes(reference),
+        "whole_reference_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
+        "gradient_sync_turned_off": len(unsynced),
+        **rss,
+    }
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _rss_of_a_second_step(trainer) -> dict:
     before_step = []  # the peak over the forward and backward passes, before AdamW's own temporaries
     optimizer_step = trainer.optimizer.step
 
@@ -111,23 +130,11 @@ def main(out: str, run_dir: str) -> None:
     trainer.train_step(1)
     growth = (_rss_kib("VmHWM") - start) * 1024
     passes_growth = (before_step[0] - start) * 1024
-    reference = trainer.policy.frozen_reference
-    row = {
-        "rank": trainer.acc.process_index,
-        "processes": trainer.acc.num_processes,
-        "fsdp": trainer.acc.distributed_type.value,
-        "moved_whole": moved,
-        "whole_trainable_bytes": whole,
-        "local_trainable_bytes": _local_bytes(trainer.adapter.transformer),
-        "local_reference_bytes": _local_bytes(trainer.policy.frozen_reference),
-        "whole_reference_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
-        "gradient_sync_turned_off": len(unsynced),
+    return {
         "step_rss_growth_bytes": growth if peak_known else None,
         "passes_rss_growth_bytes": passes_growth if peak_known else None,
     }
-    with open(out, "a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], measure_rss="rss" in sys.argv[3:])
