@@ -9,10 +9,10 @@ What it records:
   ``no_sync``), which keeps whole gradients on every process between passes;
 * local bytes of the trainable weights and of the frozen reference after start-up;
 * with ``rss`` as a third argument, the growth of the resident set (peak minus start,
-  from /proc) during a second training iteration, when the optimizer state already
-  exists, and over its forward and backward passes alone (up to the first optimizer step): gradients, gathered blocks
-  and activations, which must not include whole gradients. Run it with
-  MALLOC_MMAP_THRESHOLD_ set low, so freed tensors leave the resident set.
+  from /proc) during a second training iteration, once the optimizer state exists, and
+  over its forward and backward passes alone (up to the first optimizer step):
+  gradients, gathered blocks and activations, which must not include whole gradients.
+  Run it with MALLOC_MMAP_THRESHOLD_ set low, so freed tensors leave the resident set.
 """
 
 from __future__ import annotations
