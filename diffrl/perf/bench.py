@@ -210,9 +210,9 @@ def training_step(
     """
     fn = F.train_step_fn(adapter, batch, guidance, autocast)
     executed = F.count_flops(fn)
-    checkpointing = getattr(adapter.transformer, "is_gradient_checkpointing", False)
-    recompute = F.count_flops(F.velocity_fn(adapter, adapter.transformer, batch, guidance, autocast))
-    model_flops = executed - recompute if checkpointing else executed
+    model_flops = executed
+    if getattr(adapter.transformer, "is_gradient_checkpointing", False):
+        model_flops -= F.count_flops(F.velocity_fn(adapter, adapter.transformer, batch, guidance, autocast))
     res = race({"step": fn}, adapter.device, repeats)["step"]
     name = device_name(adapter.device)
     peak, basis = spec_peak(name, str(dtype).removeprefix("torch.")), "spec sheet"

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from diffrl.sampling import rng
-from diffrl.training.sharding import gathered_to_cpu, is_sharded, like, reshard
+from diffrl.training.sharding import gathered_to_cpu, is_sharded, like, reshard, whole
 
 
 class Policy:
@@ -123,14 +123,11 @@ class Policy:
             self.transformer.save_pretrained(directory / "transformer")
 
 
-def upcast_trainable_to_fp32(module: torch.nn.Module) -> int:
-    """Make every trainable parameter of ``module`` fp32 in place; returns how many changed."""
-    changed = 0
+def upcast_trainable_to_fp32(module: torch.nn.Module) -> None:
+    """Make every trainable parameter of ``module`` fp32 in place."""
     for p in module.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-            changed += 1
-    return changed
 
 
 class EMA:
@@ -170,9 +167,7 @@ class EMA:
     def state_dict(self) -> dict:
         """Whole shadows, also under FSDP (collective there; accelerate calls it on every
         process and the main one writes)."""
-        # kept on every process: accelerate may write registered objects on each node
-        shadow = gathered_to_cpu(((str(i), s) for i, s in enumerate(self.shadow)), keep=True)
-        return {"decay": self.decay, "updates": self.updates, "shadow": list(shadow.values())}
+        return {"decay": self.decay, "updates": self.updates, "shadow": [whole(s).cpu() for s in self.shadow]}
 
     def load_state_dict(self, state: dict) -> None:
         self.shadow = [like(s.float(), p.detach().float()) for s, p in zip(state["shadow"], self.params)]

@@ -117,6 +117,7 @@ class Updater:
         self.counters, self.ema, self.old_policy = counters, ema, old_policy
         self.forward_process = objective.forward_process
         self.whole_groups = objective.whole_groups  # passes of whole groups, one noise per group
+        self.fsdp = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
         self.after_step: list = []  # called after every applied optimizer step (Sol-RL marks its copy stale)
 
     def loss_context(self) -> LossContext:
@@ -222,14 +223,13 @@ class Updater:
         # run their backward, and one check before the optimizer step (a collective, so
         # every process agrees) discards the whole gradient if any loss or the gradient norm
         # was non-finite. One host read per optimizer step instead of one per pass.
-        fsdp = getattr(self.acc, "distributed_type", None) == DistributedType.FSDP
         nonfinite = torch.zeros((), dtype=torch.bool, device=self.acc.device)
         for i, p in enumerate(passes):
             batch = self._step_batch(traj, cond, advantages, p)
             if self.forward_process and not p.anchor:
                 batch = self._forward_noised(batch, traj, p, epoch)
             last = i == len(passes) - 1
-            sync = contextlib.nullcontext() if last or fsdp else self.acc.no_sync(self.model)
+            sync = contextlib.nullcontext() if last or self.fsdp else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
                 loss, stats = (anchor_loss if p.anchor else self.objective)(ctx, batch)
                 nonfinite = nonfinite | ~torch.isfinite(whole(loss)).to(nonfinite.device)
@@ -244,9 +244,8 @@ class Updater:
             grad_norm = self.acc.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
             grad_norm = whole(grad_norm)  # under FSDP a replicated DTensor: its local value
             nonfinite = nonfinite | ~torch.isfinite(grad_norm).to(nonfinite.device)
-        if _any_process(
-            self.acc, nonfinite
-        ):  # discard the gradient: a blow-up is never applied, only counted
+        # discard the gradient: a blow-up is never applied, only counted
+        if _any_process(self.acc, nonfinite):
             self.optimizer.zero_grad(set_to_none=True)
             self.counters.skipped_nonfinite_loss += 1
             return
