@@ -11,8 +11,8 @@ the config's LoRA, and torch counts what one iteration executes:
   gradient checkpointing, one block's full activations are added for its recompute.
 
 Memory adds the frozen weights (transformer, VAE, the published text encoders, the
-reward models), the trainable weights with their gradients and AdamW's two moments (all
-in the weights' dtype: fp32 LoRA, 16 bytes per parameter; a full fine-tune in bf16, 8),
+reward models), the trainable weights with their gradients and AdamW's two moments (fp32
+master weights for LoRA and full fine-tunes alike: 16 bytes per trainable parameter),
 a full fine-tune's frozen reference copy, the exploration copy
 (FP8 through torchao stores 1 byte per weight; NVFP4 off Blackwell is simulated over a
 BF16 copy, 2 bytes), the EMA and DiffusionNFT's old policy (fp32 shadows of the trainable
@@ -36,7 +36,7 @@ import torch
 from diffrl.config import with_overrides
 from diffrl.models.arch import RANDOM_PREFIX, arch_for
 from diffrl.perf.flops import count_flops, train_step_fn, velocity_fn
-from diffrl.perf.memory import GIB, param_bytes, saved_activation_bytes
+from diffrl.perf.memory import GIB, module_bytes, param_bytes, saved_activation_bytes
 
 # open_clip architecture behind each model reward (HPSv2/PickScore: ViT-H-14; CLIPScore and
 # the LAION aesthetic head: ViT-L-14); ImageReward is BLIP ViT-L + a BERT-base text tower.
@@ -101,12 +101,20 @@ def _largest_block_bytes(transformer: torch.nn.Module) -> tuple[int, int]:
 
 
 def _memory_parts(
-    cfg, adapter, policy, arch, num_processes: int, sharding: str, reward_bytes: float
+    cfg,
+    adapter,
+    policy,
+    text_encoder_bytes: float,
+    num_processes: int,
+    sharding: str,
+    reward_bytes: float,
+    exploration_bytes: dict[str, float] = EXPLORATION_BYTES,
 ) -> dict[str, float]:
-    """Per-process bytes by part (see the module docstring)."""
+    """Per-process bytes by part (see the module docstring); ``exploration_bytes`` is what
+    the exploration copy stores per transformer weight, by precision."""
     from diffrl.algorithms import get_objective
 
-    transformer, bf16 = adapter.transformer, 2
+    transformer = adapter.transformer
     shard = num_processes if sharding == "fsdp" else 1
     trainable_bytes = param_bytes(transformer, trainable=True)
     fp32_trainable = 4 * sum(p.numel() for p in policy.trainable_parameters())
@@ -115,13 +123,13 @@ def _memory_parts(
     total = sum(p.numel() for p in transformer.parameters())
     parts = {
         "transformer (frozen)": param_bytes(transformer, trainable=False) / shard,
-        "VAE": param_bytes(adapter.pipe.vae),
-        "text encoders": arch.text_encoder_params * bf16,
+        "VAE": module_bytes(getattr(adapter.pipe, "vae", None)),  # a pixel-space toy has none
+        "text encoders": text_encoder_bytes,
         "rewards": reward_bytes,
         "trainable + grads + AdamW": 4 * trainable_bytes / shard,  # weights, grads, two moments
         "reference copy": reference / shard,
         "EMA / old policy": shadows * fp32_trainable / shard,
-        "exploration copy": total * EXPLORATION_BYTES[cfg.solrl.precision] if cfg.solrl.enabled else 0.0,
+        "exploration copy": total * exploration_bytes[cfg.solrl.precision] if cfg.solrl.enabled else 0.0,
     }
     if sharding == "fsdp":
         unit, unit_trainable = _largest_block_bytes(transformer)
@@ -162,7 +170,12 @@ def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict
     }
     reward_bytes = sum(reward_params(r) for r in cfg.rewards) * 4  # fp32 unless configured
     by_sharding = {
-        name: {**_memory_parts(cfg, adapter, policy, arch, num_processes, name, reward_bytes), **shared}
+        name: {
+            **_memory_parts(
+                cfg, adapter, policy, arch.text_encoder_params * 2, num_processes, name, reward_bytes
+            ),
+            **shared,
+        }
         for name in SHARDINGS
     }
     parts = by_sharding[sharding]
@@ -183,3 +196,44 @@ def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict
         "num_processes": num_processes,
         "sharding": sharding,
     }
+
+
+def estimate_built(
+    cfg, adapter, policy, reward_fn=None, num_processes: int = 1, sharding: str = "none"
+) -> dict:
+    """The same per-process parts (bytes) for a model already built, at whatever size it
+    was built (a tiny twin, a mid-size toy, a shrunk full-size run): the text encoders and
+    the rewards are counted from their modules instead of the published architecture, the
+    activations are measured on the built model, and the exploration copy is sized as the
+    backend chosen here stores it (the reference quantizer keeps each dequantized weight in
+    the model's dtype; torchao's FP8 stores one byte). What ``scripts/gpu_suite.py`` and
+    ``tests/perf/test_estimate_vs_allocation.py`` compare with what a run allocates."""
+    from diffrl.training.plan import derive
+
+    vae = getattr(adapter.pipe, "vae", None)
+    encoders = sum(module_bytes(m) for m in adapter.frozen_modules() if m is not vae)
+    rewards = sum(module_bytes(m) for m in (reward_fn.models if reward_fn is not None else []))
+    parts = _memory_parts(
+        cfg,
+        adapter,
+        policy,
+        encoders,
+        num_processes,
+        sharding,
+        rewards,
+        _built_exploration_bytes(cfg, adapter),
+    )
+    guidance, mb = cfg.objective.train_cfg, cfg.train.micro_batch_size
+    parts["activations"] = saved_activation_bytes(train_step_fn(adapter, mb, guidance))
+    parts["trajectory buffer"] = derive(cfg, num_processes)["trajectory_buffer_mib_per_process"] * 2**20
+    return parts
+
+
+def _built_exploration_bytes(cfg, adapter) -> dict[str, float]:
+    """Bytes per weight of the exploration copy the backend chosen on this device keeps."""
+    from diffrl.quant.backends import choose_backend
+
+    element = next(adapter.transformer.parameters()).element_size()
+    backend = choose_backend(cfg.solrl.precision, cfg.solrl.backend)[0] if cfg.solrl.enabled else "none"
+    stored = 1.0 if (cfg.solrl.precision, backend) == ("fp8", "torchao") else float(element)
+    return {cfg.solrl.precision: stored}

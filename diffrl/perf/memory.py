@@ -37,3 +37,11 @@ def param_bytes(module: torch.nn.Module, trainable: bool | None = None) -> int:
         for p in module.parameters()
         if trainable is None or p.requires_grad == trainable
     )
+
+
+def module_bytes(module) -> int:
+    """Parameter and buffer bytes of ``module`` (0 for a weight-free reward)."""
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -106,8 +106,6 @@ def test_fsdp_estimate_shards_the_transformer_state_and_adds_two_gathered_blocks
     FSDP over 4 processes keeps a quarter of the transformer's weights, gradients, AdamW
     moments, reference copy and EMA shadow, plus the largest block twice (current and
     prefetched unit) and its gradient; everything outside the transformer is unchanged."""
-    from types import SimpleNamespace
-
     from diffrl.models import build_adapter
     from diffrl.perf.estimate import _memory_parts
     from diffrl.training.policy import Policy
@@ -115,9 +113,8 @@ def test_fsdp_estimate_shards_the_transformer_state_and_adds_two_gathered_blocks
     cfg = tiny_cfg("flux", "model.full_finetune=true", "train.ema_decay=0.9")
     adapter = build_adapter(cfg.model)
     policy = Policy(adapter, cfg.model, seed=0)
-    arch = SimpleNamespace(text_encoder_params=10)
-    none = _memory_parts(cfg, adapter, policy, arch, 4, "none", 7.0)
-    fsdp = _memory_parts(cfg, adapter, policy, arch, 4, "fsdp", 7.0)
+    none = _memory_parts(cfg, adapter, policy, 20.0, 4, "none", 7.0)
+    fsdp = _memory_parts(cfg, adapter, policy, 20.0, 4, "fsdp", 7.0)
     t = adapter.transformer
     weights = sum(p.numel() * p.element_size() for p in t.parameters())  # all trainable here
     numel = sum(p.numel() for p in t.parameters())

@@ -21,6 +21,7 @@ from diffrl.quant.backends import (
     detect_hardware,
 )
 from diffrl.quant.exploration import ExplorationCopy, merged_weight
+from diffrl.quant.formats import round_e4m3
 from diffrl.quant.keep_high import default_keep_high
 from diffrl.training.policy import Policy
 
@@ -230,12 +231,20 @@ def test_nvfp4_matches_modelopt_quantize_dequantize_bit_for_bit():
 
 @needs_modelopt
 @pytest.mark.parametrize("per_row", [False, True])
-def test_fp8_matches_modelopt_quantize_dequantize_bit_for_bit(per_row):
+def test_fp8_matches_modelopt_codes_bit_for_bit_and_values_to_one_ulp(per_row):
+    """modelopt's FP8QTensor picks the same E4M3 code for every element as our reference
+    (fp64 ``x * 448 / amax``, rounded once). Dequantized, modelopt multiplies the code by
+    an fp32 scale ``amax / 448`` (two roundings) where we round ``code * amax / 448``
+    once from fp64, so the values may differ in the last bit, never more."""
     from modelopt.torch.quantization.qtensor import FP8QTensor
 
     w = _weights()
     packed, scale = FP8QTensor.quantize(w.clone(), axis=0 if per_row else None)
-    assert torch.equal(fake_fp8(w, per_row=per_row), packed.dequantize(dtype=torch.float32, scale=scale))
+    amax = (w.abs().amax(dim=-1, keepdim=True) if per_row else w.abs().amax()).double()
+    assert torch.equal(round_e4m3(w.double() * 448 / amax), packed._quantized_data.float())
+    ours, theirs = fake_fp8(w, per_row=per_row), packed.dequantize(dtype=torch.float32, scale=scale)
+    ulp = torch.finfo(torch.float32).eps * ours.abs()  # one ulp or more, below 2x one
+    assert ((ours - theirs).abs() <= ulp).all()
 
 
 def _enabled_owners(model):
