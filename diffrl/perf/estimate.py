@@ -208,7 +208,7 @@ def estimate_built(
     backend chosen here stores it (the reference quantizer keeps each dequantized weight in
     the model's dtype; torchao's FP8 stores one byte). What ``scripts/gpu_suite.py`` and
     ``tests/perf/test_estimate_vs_allocation.py`` compare with what a run allocates."""
-    from diffrl.training.plan import derive
+    from diffrl.training.plan import derive, latent_numel
 
     vae = getattr(adapter.pipe, "vae", None)
     encoders = sum(module_bytes(m) for m in adapter.frozen_modules() if m is not vae)
@@ -225,7 +225,16 @@ def estimate_built(
     )
     guidance, mb = cfg.objective.train_cfg, cfg.train.micro_batch_size
     parts["activations"] = saved_activation_bytes(train_step_fn(adapter, mb, guidance))
-    parts["trajectory buffer"] = derive(cfg, num_processes)["trajectory_buffer_mib_per_process"] * 2**20
+    plan = derive(cfg, num_processes)
+    # the plan sizes latents by the published VAE's downsampling; a twin's may differ
+    built_latent = torch.Size(adapter.latent_shape()).numel()
+    parts["trajectory buffer"] = (
+        plan["trajectory_buffer_mib_per_process"] * 2**20 * built_latent / latent_numel(cfg)
+    )
+    cond = adapter.encode_prompts(["a prompt"]).tensors.values()  # one sample's embeddings
+    parts["rollout conditioning"] = plan["samples_per_process"] * sum(
+        t.numel() * t.element_size() for t in cond
+    )
     return parts
 
 

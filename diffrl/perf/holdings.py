@@ -25,8 +25,12 @@ def live_tensor_bytes(device: str | torch.device = "cpu") -> int:
         # module-level objects (torch.distributed.reduce_op) answer with a warning
         if not issubclass(type(obj), torch.Tensor) or obj.device.type != device.type or obj.is_meta:
             continue
-        storage = obj.untyped_storage()
-        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        try:
+            storage = obj.untyped_storage()
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a wrapper (FSDP's DTensor): its local shard is counted
+            continue
+        storages[pointer] = max(storages.get(pointer, 0), storage.nbytes())
     storages.pop(0, None)  # empty tensors share the null pointer
     return sum(storages.values())
 

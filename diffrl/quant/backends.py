@@ -247,7 +247,7 @@ class ModelOptCopy(ExplorationCopy):
         import modelopt.torch.quantization as mtq
 
         targets = _swap_pointwise_convs(self.model, self.quantized)
-        config = mtq.NVFP4_DEFAULT_CFG if precision == "nvfp4" else mtq.FP8_DEFAULT_CFG
+        config = mtq.NVFP4_DEFAULT_CFG if precision == "nvfp4" else _fp8_per_row_config(mtq.FP8_DEFAULT_CFG)
         self.model = mtq.quantize(self.model, {**config, "algorithm": None})  # calibrated below
 
         def owner(quantizer: str) -> str:
@@ -282,6 +282,15 @@ class ModelOptCopy(ExplorationCopy):
             if isinstance(module, TensorQuantizer) and module.is_enabled and calibrated:
                 module.reset_amax()
         self._mtq.calibrate(self.model, algorithm="max", forward_loop=self.forward_loop)
+
+
+def _fp8_per_row_config(default: dict) -> dict:
+    """modelopt's FP8 recipe with the reference quantizer's granularity: one scale per
+    output row of a weight (axis 0) and one per sample of an activation (axis 0 of its
+    input), where modelopt's default takes one per tensor for both."""
+    per_row = {"num_bits": (4, 3), "axis": 0}
+    extra = [{"quantizer_name": f"*{q}", "cfg": per_row} for q in ("weight_quantizer", "input_quantizer")]
+    return {**default, "quant_cfg": [*default["quant_cfg"], *extra]}
 
 
 # -- torchao -----------------------------------------------------------------------------

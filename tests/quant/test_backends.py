@@ -277,11 +277,34 @@ def test_modelopt_copy_quantizes_our_layers_not_its_name_defaults(precision):
     name = "single_transformer_blocks.0.proj_out"
     layer = copy.model.get_submodule(name)
     assert torch.equal(layer.weight, merged_weight(policy.transformer.get_submodule(name)))  # stored high
-    assert torch.equal(layer.weight_quantizer.amax.reshape(()), layer.weight.abs().amax())
-    if precision == "fp8":
-        torch.testing.assert_close(
-            layer.weight_quantizer(layer.weight), fake_fp8(layer.weight), rtol=1e-6, atol=0
-        )
+    per_row = precision == "fp8"  # the reference's FP8 weight scales are per output row
+    amax = layer.weight.abs().amax(dim=1) if per_row else layer.weight.abs().amax()
+    assert torch.equal(layer.weight_quantizer.amax.reshape(amax.shape), amax)
+    if precision == "fp8":  # every quantized layer computes with the reference copy's weight
+        reference = ExplorationCopy(policy.transformer, "fp8", default_keep_high("flux"))
+        for name in copy.quantized:
+            ours = copy.model.get_submodule(name)
+            torch.testing.assert_close(
+                ours.weight_quantizer(ours.weight),
+                reference.model.get_submodule(name).weight,
+                rtol=1e-6,
+                atol=0,
+            )
+
+
+@needs_modelopt
+def test_modelopt_fp8_copy_computes_what_the_reference_copy_computes():
+    """Per-row weight scales and per-sample activation scales, as the reference takes
+    them (modelopt's default recipe takes one per tensor: 3% weight differences)."""
+    adapter, policy = _policy("flux")
+    ours = build_exploration_copy(policy.transformer, "flux", "fp8", backend="modelopt", log=lambda _: None)
+    reference = build_exploration_copy(
+        policy.transformer, "flux", "fp8", backend="reference", log=lambda _: None
+    )
+    high = _forward(adapter, policy.transformer)
+    shift = (_forward(adapter, reference.model) - high).norm()
+    assert shift > 0
+    assert (_forward(adapter, ours.model) - _forward(adapter, reference.model)).norm() <= 1e-3 * shift
 
 
 @needs_modelopt
@@ -294,9 +317,9 @@ def test_modelopt_sync_recalibrates_instead_of_keeping_a_stale_amax():
         for p in policy.transformer.parameters():
             p.mul_(0.5)
     copy.sync(policy.transformer)
-    after = copy.model.get_submodule(name).weight_quantizer.amax
-    assert torch.equal(after, merged_weight(policy.transformer.get_submodule(name)).abs().amax())
-    assert after < before
+    after = copy.model.get_submodule(name).weight_quantizer.amax.flatten()
+    assert torch.equal(after, merged_weight(policy.transformer.get_submodule(name)).abs().amax(dim=1))
+    assert (after < before.flatten()).all()
     fresh = build_exploration_copy(policy.transformer, "flux", "fp8", backend="modelopt", log=lambda _: None)
     assert torch.equal(_forward(adapter, copy.model), _forward(adapter, fresh.model))
 
