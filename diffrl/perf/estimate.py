@@ -35,7 +35,7 @@ import torch
 
 from diffrl.config import with_overrides
 from diffrl.models.arch import RANDOM_PREFIX, arch_for
-from diffrl.perf.flops import count_flops, train_step_fn, velocity_fn
+from diffrl.perf.flops import benchmark_prompts, count_flops, train_step_fn, velocity_fn
 from diffrl.perf.memory import GIB, module_bytes, param_bytes, saved_activation_bytes
 
 # open_clip architecture behind each model reward (HPSv2/PickScore: ViT-H-14; CLIPScore and
@@ -231,7 +231,9 @@ def estimate_built(
     parts["trajectory buffer"] = (
         plan["trajectory_buffer_mib_per_process"] * 2**20 * built_latent / latent_numel(cfg)
     )
-    cond = adapter.encode_prompts(["a prompt"]).tensors.values()  # one sample's embeddings
+    cond = adapter.encode_prompts(
+        benchmark_prompts(adapter, 1)
+    ).tensors.values()  # one sample's (edits: with image)
     parts["rollout conditioning"] = plan["samples_per_process"] * sum(
         t.numel() * t.element_size() for t in cond
     )

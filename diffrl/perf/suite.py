@@ -219,6 +219,10 @@ def iteration_rows(family: str, result: dict, cpu: bool) -> list[dict]:
     ]
 
 
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"
+
+
 def fsdp_startup_rows(result: dict, processes: int) -> list[dict]:
     """FSDP start-up on ``processes`` processes: the peak while the trainer is built
     against the estimate of what exists then (sharded weights, fp32 master shards,
@@ -229,7 +233,7 @@ def fsdp_startup_rows(result: dict, processes: int) -> list[dict]:
         row(
             "fsdp",
             f"start-up peak / estimate on {processes} process(es) "
-            f"({result['startup_gib']:.2f} / {result['estimated_startup_gib']:.2f} GiB)",
+            f"({_size(result['startup_gib'])} / {_size(result['estimated_startup_gib'])})",
             ratio,
             "<= 1.15",
             ratio <= 1.15,
