@@ -39,15 +39,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from diffrl.perf import suite  # noqa: E402
+from diffrl.training.setup import FSDP_LAUNCH_ENV  # noqa: E402
 
 STEPS = ("quant", "iteration", "fsdp", "precision", "train", "rewards", "estimate")
 CHECKS = ("quant", "iteration", "fsdp", "estimate")  # a False there fails the suite
 FITS = re.compile(r"^# fits: (\d+) ?x (\d+) GB, (ddp|fsdp)", re.MULTILINE)
-FSDP_ENV = {
-    "ACCELERATE_USE_FSDP": "true",
-    "FSDP_VERSION": "2",
-    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-}
 
 
 def _python(args: list[str], env: dict | None = None, timeout: int = 900) -> None:
@@ -84,7 +80,7 @@ def step_iteration(a, tmp: Path) -> list[dict]:
 
 
 def step_fsdp(a, tmp: Path) -> list[dict]:
-    env = {**FSDP_ENV, **({"ACCELERATE_USE_CPU": "true"} if a.cpu else {})}
+    env = {**FSDP_LAUNCH_ENV, **({"ACCELERATE_USE_CPU": "true"} if a.cpu else {})}
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", "1"]
     flags = ["--worker", "fsdp"] + (["--cpu"] if a.cpu else [])
     return suite.fsdp_startup_rows(_worker_json(flags, tmp, env, launcher), 1)

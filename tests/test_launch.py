@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from diffrl.training.setup import FSDP_LAUNCH_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = [
     sys.executable,
@@ -250,12 +252,7 @@ def test_shipped_accelerate_configs_load_as_accelerate_reads_them():
             assert cfg.main_process_port and cfg.rdzv_backend == "static", path.name
 
 
-FSDP_ENV = {
-    "ACCELERATE_USE_CPU": "true",
-    "ACCELERATE_USE_FSDP": "true",  # what `accelerate launch --use_fsdp` sets
-    "FSDP_VERSION": "2",
-    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-}
+FSDP_ENV = {"ACCELERATE_USE_CPU": "true", **FSDP_LAUNCH_ENV}
 
 
 def _has_fsdp2() -> bool:

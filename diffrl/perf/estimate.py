@@ -231,12 +231,9 @@ def estimate_built(
     parts["trajectory buffer"] = (
         plan["trajectory_buffer_mib_per_process"] * 2**20 * built_latent / latent_numel(cfg)
     )
-    cond = adapter.encode_prompts(
-        benchmark_prompts(adapter, 1)
-    ).tensors.values()  # one sample's (edits: with image)
-    parts["rollout conditioning"] = plan["samples_per_process"] * sum(
-        t.numel() * t.element_size() for t in cond
-    )
+    one_sample = adapter.encode_prompts(benchmark_prompts(adapter, 1))  # an edit's prompt carries its image
+    per_sample = sum(t.numel() * t.element_size() for t in one_sample.tensors.values())
+    parts["rollout conditioning"] = plan["samples_per_process"] * per_sample
     return parts
 
 

@@ -41,7 +41,7 @@ class PeakBeforeOptimizerStep:
 
     def __init__(self, optimizer, device: str | torch.device = "cpu"):
         inner = getattr(optimizer, "optimizer", optimizer)
-        self.device, self.samples = device, []
+        self.samples: list[int] = []
         self._handle = inner.register_step_pre_hook(lambda *_: self.samples.append(live_tensor_bytes(device)))
 
     @property

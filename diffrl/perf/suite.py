@@ -16,7 +16,8 @@ import time
 
 import torch
 
-GIB = 2**30
+from diffrl.perf.hardware import synchronize
+from diffrl.perf.memory import GIB
 
 # family -> the shipped config whose architecture the GPU suite builds at full size
 FAMILY_CONFIGS = {
@@ -58,11 +59,6 @@ VIDEO_SHRINK = ("model.num_frames=5",)
 
 def row(step: str, measure: str, value, target: str = "-", ok: bool | None = None) -> dict:
     return {"step": step, "measure": measure, "value": value, "target": target, "ok": ok}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- the quantization stack ---------------------------------------------------------------
@@ -173,10 +169,10 @@ def measure_iteration(cfg, device: torch.device, sharding: str = "none") -> dict
     startup = torch.cuda.max_memory_allocated() if cuda else live_tensor_bytes() - before
     peak = PeakBeforeOptimizerStep(trainer.optimizer)
     trainer.train_step(0)
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     trainer.train_step(1)
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     measured = torch.cuda.max_memory_allocated() if cuda else peak.peak - before
     peak.remove()

@@ -30,6 +30,15 @@ def make_accelerator(cfg: Config) -> Accelerator:
     return acc
 
 
+# What `accelerate launch --use_fsdp` (FSDP2, one unit per transformer block) sets: for
+# launching with torchrun, as the GPU suite and the multi-process tests do.
+FSDP_LAUNCH_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+}
+
+
 def fsdp_requested() -> bool:
     """Whether the launch asked for FSDP (``accelerate launch --use_fsdp`` or an accelerate
     config with ``distributed_type: FSDP`` set this variable)."""

@@ -16,6 +16,7 @@ import pytest
 from diffrl.config import load_config
 from diffrl.perf.estimate import estimate_built
 from diffrl.perf.holdings import PeakBeforeOptimizerStep, live_tensor_bytes
+from tests.training.fsdp_memory_probe import MID_SIZE
 
 MIB = 2**20
 RUN = ["train.max_steps=2", "eval.every=0", "eval.at_start=false", "checkpoint.every=0"]
@@ -27,9 +28,7 @@ def mid_size_toy(monkeypatch):
     import diffrl.models.toy as toy
 
     small = toy.build_components
-    monkeypatch.setattr(
-        toy, "build_components", lambda **kw: small(**{**kw, "layers": 4, "heads": 8, "head_dim": 32})
-    )
+    monkeypatch.setattr(toy, "build_components", lambda **kw: small(**{**kw, **MID_SIZE}))
 
 
 def _measured_and_estimated(tmp_path: Path, overrides: list[str]) -> tuple[int, dict]:

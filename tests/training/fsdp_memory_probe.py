@@ -23,12 +23,15 @@ from pathlib import Path
 
 import torch
 
+# build_tiny asks for 2 layers of 2 heads; this widens the toy to about 9 M parameters
+MID_SIZE = {"layers": 4, "heads": 8, "head_dim": 32}
+
 
 def _mid_size_toy() -> None:
     import diffrl.models.toy as toy
 
-    small = toy.build_components  # build_tiny asks for 2 layers of 2 heads: widen it
-    toy.build_components = lambda **kw: small(**{**kw, "layers": 4, "heads": 8, "head_dim": 32})
+    small = toy.build_components
+    toy.build_components = lambda **kw: small(**{**kw, **MID_SIZE})
 
 
 def _rss_kib(field: str) -> int:
