@@ -194,6 +194,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    for flag, given, known in (("--steps", a.steps, STEPS), ("--families", a.families, suite.FAMILY_CONFIGS)):
+        unknown = [x for x in given.split(",") if x not in known]
+        if unknown:
+            raise SystemExit(f"error: {flag} {','.join(unknown)}: use a comma list of {', '.join(known)}")
     if a.worker:
         result = worker(a)
         if int(os.environ.get("RANK", "0")) == 0:
