@@ -343,6 +343,9 @@ def main(argv=None) -> int:
         f"{cfg.model.dtype}, {cfg.sampling.num_steps} steps; {device_name(device)}; torch {torch.__version__}"
     )
     print(head, flush=True)
+    from diffrl.training.setup import avoid_cudnn_attention
+
+    avoid_cudnn_attention()  # time what training runs
     results = run_sections(args, cfg, written, device)
     print(report(results))
     if args.json:

@@ -1,6 +1,6 @@
 """Every headline GPU figure in one command, and the same suite on tiny twins on a CPU.
 
-    scripts/gpu_suite.sh --out outputs/gpu_suite          # one H100/H200, no downloads, <= 25 min
+    scripts/gpu_suite.sh --out outputs/gpu_suite          # one H100/H200, no downloads
     scripts/gpu_suite.sh --cpu --out /tmp/suite           # tiny twins on a CPU (CI runs this)
 
 Steps (``--steps``, default all), each measured in its own process where memory matters:

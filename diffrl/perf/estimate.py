@@ -36,7 +36,7 @@ import torch
 from diffrl.config import with_overrides
 from diffrl.models.arch import RANDOM_PREFIX, arch_for
 from diffrl.perf.flops import benchmark_prompts, count_flops, train_step_fn, velocity_fn
-from diffrl.perf.memory import GIB, module_bytes, param_bytes, saved_activation_bytes
+from diffrl.perf.memory import GIB, buffer_bytes, module_bytes, param_bytes, saved_activation_bytes
 
 # open_clip architecture behind each model reward (HPSv2/PickScore: ViT-H-14; CLIPScore and
 # the LAION aesthetic head: ViT-L-14); ImageReward is BLIP ViT-L + a BERT-base text tower.
@@ -121,15 +121,18 @@ def _memory_parts(
     shadows = (cfg.train.ema_decay > 0) + get_objective(cfg.objective.name).needs_old_policy
     reference = param_bytes(policy.frozen_reference) if policy.frozen_reference is not None else 0
     total = sum(p.numel() for p in transformer.parameters())
+    buffers = buffer_bytes(transformer)  # whole on every process, in every copy
     parts = {
-        "transformer (frozen)": param_bytes(transformer, trainable=False) / shard,
+        "transformer (frozen)": param_bytes(transformer, trainable=False) / shard + buffers,
         "VAE": module_bytes(getattr(adapter.pipe, "vae", None)),  # a pixel-space toy has none
         "text encoders": text_encoder_bytes,
         "rewards": reward_bytes,
         "trainable + grads + AdamW": 4 * trainable_bytes / shard,  # weights, grads, two moments
-        "reference copy": reference / shard,
+        "reference copy": reference / shard + (buffers if reference else 0),
         "EMA / old policy": shadows * fp32_trainable / shard,
-        "exploration copy": total * exploration_bytes[cfg.solrl.precision] if cfg.solrl.enabled else 0.0,
+        "exploration copy": (
+            total * exploration_bytes[cfg.solrl.precision] + buffers if cfg.solrl.enabled else 0.0
+        ),
     }
     if sharding == "fsdp":
         unit, unit_trainable = _largest_block_bytes(transformer)

@@ -55,6 +55,7 @@ SHRINK = (
     "solrl.pool_size=4",
 )
 VIDEO_SHRINK = ("model.num_frames=5",)
+TREE_SHRINK = ("tree.split_steps=[0]", "tree.branch_factors=[2]")
 
 
 def row(step: str, measure: str, value, target: str = "-", ok: bool | None = None) -> dict:
@@ -80,8 +81,13 @@ def quant_stack(cpu: bool) -> list[dict]:
         [("fp8", "modelopt")] if cpu else [("fp8", "modelopt"), ("fp8", "torchao"), ("nvfp4", "modelopt")]
     )
     for precision, backend in runnable:
-        if hw[backend]:
+        if not hw[backend]:
+            continue
+        try:
             rows += _copy_vs_reference(precision, backend, torch.device("cpu" if cpu else "cuda"))
+        except Exception as err:  # one backend's failure must not hide the others'
+            message = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            rows.append(row("quant", f"{precision} via {backend}: copy built", message, "runs", False))
     return rows
 
 
@@ -100,6 +106,12 @@ def _copy_vs_reference(precision: str, backend: str, device: torch.device) -> li
     adapter = build_adapter(cfg.model)
     adapter.to(device)
     transformer = Policy(adapter, cfg.model).transformer
+    # torchao quantizes BF16 weights only, so its comparison starts from BF16 weights on
+    # every side; the dequantized weights then agree to BF16 resolution, not fp32's
+    tolerance = 1e-5
+    if backend == "torchao":
+        transformer.to(torch.bfloat16)
+        tolerance = 2.0**-8
     cond = adapter.encode_prompts(["a red circle", "two cats"])
     x = torch.randn((2, *adapter.latent_shape()), generator=torch.Generator().manual_seed(0)).to(device)
     sigma = torch.tensor([0.7, 0.7], device=device)
@@ -124,8 +136,8 @@ def _copy_vs_reference(precision: str, backend: str, device: torch.device) -> li
             "quant",
             f"{label}: weights vs reference, max relative difference",
             worst,
-            "<= 1e-5",
-            worst <= 1e-5,
+            f"<= {tolerance:.0e}",
+            worst <= tolerance,
         ),
         row("quant", f"{label}: output shift vs the reference's", noise, "0.5-2", 0.5 <= noise <= 2),
     ]
@@ -153,7 +165,9 @@ def iteration_overrides(family: str, cpu: bool, output_dir: str) -> tuple[str, l
     name = FAMILY_CONFIGS[family]
     cfg = load_config(name)
     video = VIDEO_SHRINK if adapter_class(cfg.model.family).is_video_family() else ()
-    return name, [*full_size_overrides(cfg, steps=2), *SHRINK, *video, *run]
+    # a tree's leaves per prompt must equal the group: one split into 2 fits SHRINK's group
+    tree = TREE_SHRINK if cfg.rollout.strategy == "tree" else ()
+    return name, [*full_size_overrides(cfg, steps=2), *SHRINK, *video, *tree, *run]
 
 
 def measure_iteration(cfg, device: torch.device, sharding: str = "none") -> dict:

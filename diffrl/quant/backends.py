@@ -325,7 +325,11 @@ class TorchaoCopy(ExplorationCopy):
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         self._quantize_ = quantize_
-        self._dtypes = {n: self.model.get_submodule(n).weight.dtype for n in self.quantized}
+        # torchao's per-row FP8 recipe quantizes BF16 weights only (it asserts so), and
+        # Sol-RL explores in BF16 + FP8 anyway: a copy of fp32 weights (a full fine-tune's
+        # master weights, the fp32 twins) runs its unquantized layers in BF16 too
+        self.model.to(torch.bfloat16)
+        self._dtypes = {n: torch.bfloat16 for n in self.quantized}
         targets = _swap_pointwise_convs(self.model, self.quantized)
         config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
         quantize_(self.model, config, filter_fn=lambda _m, fqn: fqn in targets)

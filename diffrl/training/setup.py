@@ -30,6 +30,24 @@ def make_accelerator(cfg: Config) -> Accelerator:
     return acc
 
 
+# cuDNN's attention backward failed on the first H100 run (torch 2.11.0+cu130, FLUX at
+# full size, 256 px, gradient checkpointing): "mha_graph.execute(...).is_good()" in the
+# backward, then an illegal memory access. With it off, SDPA takes the flash or
+# memory-efficient kernel and the same iteration ran. Set this variable to 1 to keep it.
+KEEP_CUDNN_ATTENTION = "DIFFRL_CUDNN_ATTENTION"
+
+
+def avoid_cudnn_attention(log=print) -> bool:
+    """Turn PyTorch's cuDNN SDPA backend off for training on a CUDA device (see
+    ``KEEP_CUDNN_ATTENTION``); True when it was turned off here."""
+    if os.environ.get(KEEP_CUDNN_ATTENTION) == "1" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    if torch.cuda.is_available():
+        log(f"attention: cuDNN SDPA off (its backward failed on H100; {KEEP_CUDNN_ATTENTION}=1 keeps it)")
+    return True
+
+
 # What `accelerate launch --use_fsdp` (FSDP2, one unit per transformer block) sets: for
 # launching with torchrun, as the GPU suite and the multi-process tests do.
 FSDP_LAUNCH_ENV = {

@@ -33,7 +33,7 @@ from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
 from diffrl.training.reward_overlap import overlap_hook
-from diffrl.training.setup import make_accelerator, make_lr_scheduler
+from diffrl.training.setup import avoid_cudnn_attention, make_accelerator, make_lr_scheduler
 from diffrl.training.sharding import max_over_processes, reshard, shard_frozen_copy
 from diffrl.training.stages import Credit, Rollout
 from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
@@ -45,6 +45,7 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Accelerator | None = None):
         self.cfg = cfg
         self.acc = accelerator or make_accelerator(cfg)
+        avoid_cudnn_attention(self.acc.print)
         self._load_inputs(cfg)  # first: bad prompts or rewards fail before any model is built
         self.strategy = get_strategy(cfg.rollout.strategy)
         self.sampler_settings = SamplerSettings.of(cfg)  # all a rollout strategy reads
