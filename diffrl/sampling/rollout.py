@@ -32,7 +32,10 @@ class Trajectory:
     std_ts: torch.Tensor  # (B, T) the step rule's noise scale (for the flow_grpo KL variant)
     sigmas: torch.Tensor  # (T+1,) fp32
     step_kinds: list[str]  # (T,) rule used at each step ("ode" outside the SDE window)
-    step_noise: torch.Tensor  # (B, T, *shape) the eps drawn per step (zeros for ODE steps)
+    # (B, T, *shape) the eps drawn per step (zeros for ODE steps), kept only when asked
+    # (``keep_noise``): no update reads it, and at a pool's size it was a third of the
+    # trajectory's memory; a path's noise follows from its key (``step_noise``)
+    step_noise: torch.Tensor | None
     keys: list[tuple]  # (B,) per-sample RNG keys: (seed, step, prompt_index, sample_index)
     nfe: int = 0  # transformer evaluations spent (a CFG forward counts once per batch row)
     images: torch.Tensor | None = None  # decoded x_T, [0, 1]
@@ -127,12 +130,14 @@ def denoise(
     reduction="mean",
     init_noise: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
+    keep_noise: bool = False,
 ) -> Trajectory:
     """Run one batch of independent paths to x_T.
 
     Noise is drawn from each path's key unless given: ``init_noise`` (B, *shape) and
     ``noise`` (B, T, *shape) replay stored draws (a tree path, a BF16 regeneration).
-    ``noise_levels`` is one float for every step, or one per step.
+    ``noise_levels`` is one float for every step, or one per step. ``keep_noise`` stores
+    the draws in ``step_noise`` (for a replay; nothing in training reads them).
     """
     device = adapter.device
     shape = adapter.latent_shape()
@@ -158,7 +163,8 @@ def denoise(
         x = res.next_latents
         latents.append(x)
         means.append(res.mean)
-        noises.append(eps)
+        if keep_noise:
+            noises.append(eps)
         log_probs[:, t], stds[:, t], std_ts[:, t] = res.log_prob, res.std, res.std_t
     return Trajectory(
         latents=torch.stack(latents, 1),
@@ -168,7 +174,7 @@ def denoise(
         std_ts=std_ts,
         sigmas=sigmas.cpu(),
         step_kinds=list(kinds),
-        step_noise=torch.stack(noises, 1),
+        step_noise=torch.stack(noises, 1) if keep_noise else None,
         keys=list(keys),
         nfe=b * n,
         noise_levels=levels,
@@ -185,6 +191,7 @@ def rollout_independent(
     kinds: list[str] | None = None,
     iteration: int = 0,
     on_images=None,
+    keep_noise: bool = False,
 ) -> Trajectory:
     """Independent rollouts for ``keys`` in chunks of ``rollout.batch_size``, decoded.
 
@@ -193,7 +200,7 @@ def rollout_independent(
     chunking (tested). ``iteration`` places a sliding SDE window (see
     :mod:`diffrl.sampling.windows`). ``on_images(indices, images)`` is called with each
     decoded chunk as soon as it exists (a reward server starts scoring it while the next
-    chunk denoises).
+    chunk denoises). ``keep_noise``: as in :func:`denoise`.
     """
     s = SamplerSettings.of(cfg)
     n = num_steps or s.sampling.num_steps
@@ -212,6 +219,7 @@ def rollout_independent(
             kinds,
             s.sampling.noise_level,
             s.logprob_reduction,
+            keep_noise=keep_noise,
         )
         with torch.no_grad():
             traj.images = adapter.decode(traj.latents[:, -1]).float()

@@ -120,8 +120,8 @@ def _rollout_and_training(cfg, num_processes: int) -> dict[str, float]:
         "trained_steps": trained_steps,
         "rollout_nfe": samples * steps,
         "trained_rows": samples * trained_steps,
-        # trajectory buffers: latents (T+1) + means (T) + step noise (T), fp32
-        "traj_bytes": samples / num_processes * (3 * steps + 1) * latent_numel(cfg) * 4,
+        # trajectory buffers: latents (T+1) + means (T), fp32 (no step noise: not kept)
+        "traj_bytes": samples / num_processes * (2 * steps + 1) * latent_numel(cfg) * 4,
         "solrl": {},
     }
     if cfg.solrl.enabled:

@@ -29,7 +29,7 @@ def test_branching_factor_one_equals_independent_bit_for_bit(family):
     cond = adapter.encode_prompts(["a red circle", "two blue squares", "a cat"])
     spec = TreeSpec.build(cfg.sampling.num_steps, [0], [1])
     tree = rollout_tree(adapter, adapter.transformer, cond, keys, cfg, spec=spec)
-    ind = rollout_independent(adapter, adapter.transformer, cond, keys, cfg)
+    ind = rollout_independent(adapter, adapter.transformer, cond, keys, cfg, keep_noise=True)
     paths = tree.path_trajectory()
     for name in ("latents", "means", "log_probs", "stds", "step_noise"):
         assert torch.equal(getattr(paths, name), getattr(ind, name)), name

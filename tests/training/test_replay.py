@@ -95,9 +95,9 @@ def test_rollout_does_not_depend_on_chunking(family, tiny_cfg):
     prompts = ["a cat", "a cat", "a dog", "a dog"]
     cond = adapter.encode_prompts(prompts)
     cfg.rollout.batch_size = 4
-    whole = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg)
+    whole = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg, keep_noise=True)
     cfg.rollout.batch_size = 1
-    single = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg)
+    single = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg, keep_noise=True)
     torch.testing.assert_close(whole.latents, single.latents, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(whole.log_probs, single.log_probs, atol=1e-5, rtol=1e-5)
     assert torch.equal(whole.step_noise, single.step_noise)
@@ -110,7 +110,7 @@ def test_replay_of_stored_noise_reproduces_sample(tiny_cfg):
     cfg = tiny_cfg("flux")
     adapter, _ = _setup(cfg, perturb_lora=True)
     cond = adapter.encode_prompts(["a cat", "a dog"])
-    traj = rollout_independent(adapter, adapter.transformer, cond, _keys(2), cfg)
+    traj = rollout_independent(adapter, adapter.transformer, cond, _keys(2), cfg, keep_noise=True)
     x = traj.latents[:, 0]
     with torch.no_grad():
         for t in range(traj.num_steps):
@@ -137,7 +137,7 @@ def test_joining_chunks_consumes_them_field_by_field(tiny_cfg):
     cfg = tiny_cfg("flux")
     adapter, _ = _setup(cfg, perturb_lora=False)
     cond = adapter.encode_prompts(["a cat"] * 4)
-    whole = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg)
+    whole = rollout_independent(adapter, adapter.transformer, cond, _keys(4), cfg, keep_noise=True)
     parts = [whole.select([0, 1]), whole.select([2, 3])]
     plain = Trajectory.cat(parts)
     joined = Trajectory.cat(parts, consume=True)
@@ -145,3 +145,16 @@ def test_joining_chunks_consumes_them_field_by_field(tiny_cfg):
         assert torch.equal(getattr(joined, name), getattr(plain, name)), name
         assert all(getattr(p, name) is None for p in parts), name
     assert joined.keys == whole.keys and joined.nfe == plain.nfe
+
+
+def test_training_rollouts_do_not_keep_their_noise(tiny_cfg):
+    """Nothing in an update reads the per-step noise, so a rollout stores none of it (it
+    was a third of a pool's trajectory memory, zeros at every ODE step included)."""
+    cfg = tiny_cfg("flux")
+    adapter, _ = _setup(cfg, perturb_lora=True)
+    cond = adapter.encode_prompts(["a cat", "a dog"])
+    lean = rollout_independent(adapter, adapter.transformer, cond, _keys(2), cfg)
+    kept = rollout_independent(adapter, adapter.transformer, cond, _keys(2), cfg, keep_noise=True)
+    assert lean.step_noise is None
+    assert kept.step_noise.shape == (2, kept.num_steps, *adapter.latent_shape())
+    assert torch.equal(lean.latents, kept.latents)  # the same draws either way

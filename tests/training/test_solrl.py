@@ -55,7 +55,7 @@ def test_bf16_independent_pool_is_reproduced_exactly(tmp_path, batch_size):
     n, k = trainer.cfg.solrl.pool_size, trainer.cfg.rollout.group_size
     flat = (out.selected + n * torch.arange(out.selected.shape[0]).unsqueeze(1)).flatten()
     assert out.traj.keys == [plan.keys[i] for i in flat.tolist()]
-    assert torch.equal(out.traj.step_noise, pool.step_noise[flat])
+    assert out.traj.step_noise is None and pool.step_noise is None  # training keeps no noise
     if batch_size == 1:  # every forward is one row in both stages: bit for bit
         assert torch.equal(out.traj.latents, pool.latents[flat])
         assert torch.equal(out.traj.log_probs, pool.log_probs[flat])
