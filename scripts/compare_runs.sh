@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Several training recipes side by side on ShapeWorld, over seeds, then one report: every
+# METHOD for SEEDS seeds, two 1-thread runs at a time (the 2-core machine), each to
+# ITERATIONS iterations with an evaluation every EVERY (none at the start: the base's
+# score is the same for all). A run that already has ITERATIONS lines of metrics is kept.
+#   scripts/compare_runs.sh OUT_DIR ITERATIONS EVERY "SEEDS" "name=config [--set k=v ...]" ...
+# Extra arguments to every run go in EXTRA (e.g. EXTRA="--set eval.at_start=true").
+# scripts/compare_objectives.sh and scripts/compare_solrl_pools.sh name their methods.
+set -euo pipefail
+out=${1:?usage: scripts/compare_runs.sh OUT_DIR ITERATIONS EVERY SEEDS METHOD...}
+iterations=${2:?ITERATIONS}
+every=${3:?EVERY}
+seeds=${4:?SEEDS}
+shift 4
+methods=("$@")
+cd "$(dirname "$0")/.."
+jobs=()
+for seed in $seeds; do
+  for m in "${methods[@]}"; do
+    jobs+=("${m%%=*}|$seed|${m#*=}")
+  done
+done
+run() {
+  IFS='|' read -r name seed rest <<<"$1"
+  dir="$out/$name-s$seed"
+  [ -f "$dir/metrics.jsonl" ] && [ "$(wc -l <"$dir/metrics.jsonl")" -ge "$iterations" ] && return 0
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/train.py --config $rest \
+    --set seed="$seed" --set train.max_steps="$iterations" --set eval.every="$every" \
+    --set eval.at_start=false --set checkpoint.every=0 --set logging.progress_bar=false \
+    --set output_dir="$dir" ${EXTRA:-} >"$out/$name-s$seed.log" 2>&1
+  echo "done $name seed $seed"
+}
+export -f run
+export out iterations every EXTRA
+mkdir -p "$out"
+printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} bash -c 'run "$@"' _ {}
+groups=()
+for m in "${methods[@]}"; do
+  name=${m%%=*}
+  dirs=$(for seed in $seeds; do printf '%s,' "$out/$name-s$seed"; done)
+  groups+=("$name=${dirs%,}")
+done
+python scripts/report.py "${groups[@]}" --out "$out/report"
