@@ -1,4 +1,5 @@
-"""ShapeWorld renderer: flat-coloured circles, squares and triangles on a white canvas.
+"""ShapeWorld renderer: flat-coloured circles, squares and triangles on a white canvas
+(striped or solid ones in the late-step world, :func:`textured_colours`).
 
 Scenes are laid out from a :class:`~rewards.shapeworld.grammar.Spec` (so the picture satisfies
 the caption) with random sizes and positions; ``corrupt`` makes a scene that violates
@@ -23,6 +24,10 @@ PALETTE = {
     "cyan": (20, 190, 210),
 }
 BACKGROUND = (255, 255, 255)
+# the late-step world's stripes alternate a palette colour with this much of the way to
+# white; its solid objects take the mean of the two, so both textures have the same mean
+# colour (no low-frequency difference) and every shade keeps its nearest palette colour
+STRIPE_TINT = 0.25
 GAP = 2  # minimum empty pixels between two objects' boxes, so components never touch
 RELATION_MARGIN = 6  # rendered relations: centres at least this far apart along the axis
 OPPOSITE = {
@@ -35,13 +40,15 @@ OPPOSITE = {
 
 @dataclass(frozen=True)
 class Placed:
-    """One object: its colour, shape and square bounding box (top-left corner, side)."""
+    """One object: its colour, shape and square bounding box (top-left corner, side), and
+    its texture in the late-step world."""
 
     colour: str
     shape: str
     x: int
     y: int
     size: int
+    texture: str | None = None
 
     @property
     def centre(self) -> tuple[float, float]:
@@ -61,13 +68,29 @@ def shape_mask(shape: str, size: int) -> np.ndarray:
     raise ValueError(f"unknown shape '{shape}'; valid: {', '.join(SHAPES)}")
 
 
+def textured_colours(colour: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(even-row, odd-row) RGB of each texture of ``colour``: striped alternates the
+    palette colour and its tint, solid fills both rows with their mean."""
+    base = np.array(PALETTE[colour], dtype=np.float64)
+    tint = base + STRIPE_TINT * (255 - base)
+    mean = (base + tint) / 2
+    return {"striped": (base, tint), "solid": (mean, mean)}
+
+
 def draw(objects: list[Placed], resolution: int = 32) -> np.ndarray:
     """uint8 (H, W, 3) image of ``objects`` on the white background."""
     image = np.empty((resolution, resolution, 3), dtype=np.uint8)
     image[:] = BACKGROUND
     for o in objects:
         region = image[o.y : o.y + o.size, o.x : o.x + o.size]
-        region[shape_mask(o.shape, o.size)] = PALETTE[o.colour]
+        mask = shape_mask(o.shape, o.size)
+        if o.texture is None:
+            region[mask] = PALETTE[o.colour]
+            continue
+        even, odd = textured_colours(o.colour)[o.texture]
+        rows = np.where((np.arange(o.size) % 2 == 0)[:, None, None], even, odd)  # (size, 1, 3)
+        shades = np.broadcast_to(np.rint(rows), (o.size, o.size, 3)).astype(np.uint8)
+        region[mask] = shades[mask]
     return image
 
 
@@ -115,12 +138,12 @@ def layout(
     spec: Spec, rnd: random.Random, resolution: int = 32, grid: int | None = None, max_tries: int = 1000
 ) -> list[Placed]:
     """Random non-touching placement of every object of ``spec`` satisfying its relation."""
-    things = [g.thing for g in spec.groups for _ in range(g.count)]
+    things = [(g.colour, g.shape, g.texture) for g in spec.groups for _ in range(g.count)]
     for _ in range(max_tries):
         placed: list[Placed] = []
-        for colour, shape in things:
+        for colour, shape, texture in things:
             x, y, size = _random_box(len(things), rnd, resolution, grid)
-            obj = Placed(colour, shape, x, y, size)
+            obj = Placed(colour, shape, x, y, size, texture)
             if not all(_apart(obj, other) for other in placed):
                 break
             placed.append(obj)
@@ -140,11 +163,12 @@ def _other(value: str, choices, rnd: random.Random, avoid=()) -> str:
 
 
 def corrupt(spec: Spec, rnd: random.Random) -> Spec:
-    """A scene spec that violates one clause of ``spec``: a wrong count, colour or shape,
-    a missing object, or the opposite relation. Used to render negative examples."""
+    """A scene spec that violates one clause of ``spec``: a wrong count, colour, shape or
+    texture, a missing object, or the opposite relation. Used to render negative examples."""
     groups = list(spec.groups)
     options = ["colour", "shape"] + (["count"] if spec.kind == "count" else ["drop"])
     options += ["relation"] if spec.relation else []
+    options += ["texture"] if spec.groups[0].texture else []
     what = rnd.choice(options)
     i = rnd.randrange(len(groups))
     g = groups[i]
@@ -157,6 +181,8 @@ def corrupt(spec: Spec, rnd: random.Random) -> Spec:
     elif what == "shape":
         avoid = [s for s in SHAPES if (g.colour, s) in others]
         groups[i] = replace(g, shape=_other(g.shape, SHAPES, rnd, avoid))
+    elif what == "texture":
+        groups[i] = replace(g, texture="solid" if g.texture == "striped" else "striped")
     elif what == "drop":
         return Spec("count", (groups[1 - i],))
     else:

@@ -4,8 +4,11 @@ The prompt is parsed into clauses (:mod:`rewards.shapeworld.grammar`); objects a
 colour segmentation (nearest palette colour on non-background pixels), connected
 components (4-connected, same colour) and shape classification by how much of its
 bounding box a component fills (square ~1, circle ~pi/4, triangle ~1/2). Centroids
-decide relations. Scores follow GenEval (Ghosh et al. 2023): ``strict`` is 1 when
-every clause holds, ``partial`` is the fraction of clauses that hold.
+decide relations. In the late-step world a component is striped when its vertically
+adjacent pixels differ more than its horizontally adjacent ones (:data:`STRIPE_THRESHOLD`),
+and a textured prompt's classes include the texture. Scores follow GenEval (Ghosh et
+al. 2023): ``strict`` is 1 when every clause holds, ``partial`` is the fraction of
+clauses that hold.
 
 Prompts outside the grammar score 0 with the reason recorded; they never raise inside
 a run. ``check_prompts`` raises one clear error for a whole prompt list up front.
@@ -27,6 +30,9 @@ from rewards.shapeworld.render import BACKGROUND, PALETTE, Placed, relation_hold
 
 _PALETTE = torch.tensor(list(PALETTE.values()), dtype=torch.float32) / 255
 _NAMES = list(PALETTE)
+# rendered stripes differ by 0.21-0.23 (max over channels, in [0, 1]) between rows and by
+# 0 within a row (render.STRIPE_TINT); a solid object differs by 0 both ways
+STRIPE_THRESHOLD = 0.1
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,11 @@ class Detection:
     area: int
     fill: float
     box: tuple[int, int, int, int] = (0, 0, 0, 0)  # pixel extent (x0, y0, x1, y1), inclusive
+    stripes: float = 0.0  # mean |row-to-row| minus mean |column-to-column| change inside it
+
+    @property
+    def texture(self) -> str:
+        return "striped" if self.stripes > STRIPE_THRESHOLD else "solid"
 
 
 @dataclass
@@ -51,6 +62,7 @@ class Verdict:
     detections: list[Detection] = field(default_factory=list)
     reason: str = ""
     kind: str = ""  # the prompt's kind (count / pair / relation); "" when unparseable
+    shapes_ok: bool | None = None  # textured prompts: every group right, textures aside
 
     def objects_ok(self) -> bool:
         """Every object-group clause holds (the relation clause, if any, aside)."""
@@ -111,10 +123,34 @@ def detect(images, fg_threshold: float = 0.3, min_area: int = 10) -> list[list[D
     labels = torch.where(foreground, dist.argmin(-1), -1)
     comp = connected_components(labels)
     min_pixels = max(1, round(min_area * h * w / 1024))
-    return [_components(comp[i], labels[i], min_pixels) for i in range(b)]
+    return [_components(comp[i], labels[i], min_pixels, batch[i]) for i in range(b)]
 
 
-def _components(comp: torch.Tensor, labels: torch.Tensor, min_pixels: int) -> list[Detection]:
+def _neighbour_change(comp: torch.Tensor, image: torch.Tensor, dy: int, dx: int) -> tuple:
+    """(component id, max-channel |change|) for every pixel whose neighbour at (+dy, +dx)
+    lies in the same component."""
+    h, w = comp.shape
+    here, there = comp[: h - dy, : w - dx], comp[dy:, dx:]
+    same = (here >= 0) & (here == there)
+    change = (image[:, : h - dy, : w - dx] - image[:, dy:, dx:]).abs().amax(0)
+    return here[same], change[same]
+
+
+def _stripe_scores(comp: torch.Tensor, image: torch.Tensor, uniq: torch.Tensor) -> torch.Tensor:
+    """Per component of ``uniq``: mean vertical minus mean horizontal neighbour change."""
+    scores = []
+    for dy, dx in ((1, 0), (0, 1)):
+        ids, change = _neighbour_change(comp, image, dy, dx)
+        index = torch.searchsorted(uniq, ids)
+        total = torch.zeros(len(uniq)).scatter_add_(0, index, change)
+        count = torch.zeros(len(uniq)).scatter_add_(0, index, torch.ones_like(change))
+        scores.append(total / count.clamp(min=1))
+    return scores[0] - scores[1]
+
+
+def _components(
+    comp: torch.Tensor, labels: torch.Tensor, min_pixels: int, image: torch.Tensor
+) -> list[Detection]:
     h, w = comp.shape
     mask = comp >= 0
     if not mask.any():
@@ -133,6 +169,7 @@ def _components(comp: torch.Tensor, labels: torch.Tensor, min_pixels: int) -> li
     y0, y1 = extent(ys, "amin", h), extent(ys, "amax", -1)
     bw, bh = x1 - x0 + 1, y1 - y0 + 1
     colour = labels.flatten()[uniq % (h * w)]  # ids are linear indices over the batch
+    stripes = _stripe_scores(comp, image, uniq)
     out = []
     for k in range(n):
         if area[k] < min_pixels:
@@ -147,6 +184,7 @@ def _components(comp: torch.Tensor, labels: torch.Tensor, min_pixels: int) -> li
                 int(area[k]),
                 round(fill, 3),
                 (int(x0[k]), int(y0[k]), int(x1[k]), int(y1[k])),
+                round(float(stripes[k]), 4),
             )
         )
     return out
@@ -165,12 +203,17 @@ def _centroids_relate(margin: float):
     return holds
 
 
-def as_task(spec: grammar.Spec, prompt: str) -> Task:
-    """The ShapeWorld spec as GenEval requirements: each (colour, shape) is a class, and a
-    relation puts group 0 relative to group 1."""
+def _class(colour: str, shape: str, texture: str | None) -> str:
+    return f"{texture} {colour} {shape}" if texture else f"{colour} {shape}"
+
+
+def as_task(spec: grammar.Spec, prompt: str, textures: bool = True) -> Task:
+    """The ShapeWorld spec as GenEval requirements: each (colour, shape) is a class (with
+    its texture, for a textured prompt unless ``textures`` is off), and a relation puts
+    group 0 relative to group 1."""
     include = tuple(
         Requirement(
-            f"{g.colour} {g.shape}",
+            _class(g.colour, g.shape, g.texture if textures else None),
             g.count,
             position=(spec.relation, 1) if spec.relation and i == 0 else None,
             label=g.text(),
@@ -187,14 +230,38 @@ def verify(prompt: str, detections: list[Detection], margin: float = 2.0) -> Ver
         spec = grammar.parse(prompt)
     except grammar.PromptGrammarError as err:
         return Verdict(prompt, 0.0, 0.0, detections=detections, reason=str(err))
+    textured = spec.groups[0].texture is not None
+    judged = _judge(spec, prompt, detections, margin, textured)
+    clauses = [{k: v for k, v in c.items() if k != "credit"} for c in judged.clauses]
+    shapes_ok = None
+    if textured:  # the same groups with textures left out: were the shapes right?
+        shapes_ok = all(
+            c["ok"] for c in _judge(spec, prompt, detections, margin, False).clauses if "found" in c
+        )
+    return Verdict(
+        prompt,
+        float(judged.correct),
+        judged.fraction,
+        clauses,
+        detections,
+        kind=spec.kind,
+        shapes_ok=shapes_ok,
+    )
+
+
+def _judge(spec, prompt: str, detections: list[Detection], margin: float, textures: bool):
     by_class: dict[str, list[Found]] = {}
     for d in detections:
-        by_class.setdefault(f"{d.colour} {d.shape}", []).append(as_found(d))
-    judged = rules.judge(
-        as_task(spec, prompt), by_class, _no_colour_clauses, _centroids_relate(margin), rules.SHAPEWORLD
+        by_class.setdefault(_class(d.colour, d.shape, d.texture if textures else None), []).append(
+            as_found(d)
+        )
+    return rules.judge(
+        as_task(spec, prompt, textures),
+        by_class,
+        _no_colour_clauses,
+        _centroids_relate(margin),
+        rules.SHAPEWORLD,
     )
-    clauses = [{k: v for k, v in c.items() if k != "credit"} for c in judged.clauses]
-    return Verdict(prompt, float(judged.correct), judged.fraction, clauses, detections, kind=spec.kind)
 
 
 def _no_colour_clauses(found, cls):  # colour is part of a ShapeWorld class, never asked apart
@@ -221,6 +288,13 @@ def breakdown(verdicts: list[Verdict]) -> dict[str, torch.Tensor]:
     out["shapeworld_clause/relation_given_objects"] = torch.tensor(
         [float(v.relation_ok()) if v.kind == "relation" and v.objects_ok() else NAN for v in verdicts]
     )
+    if any(v.shapes_ok is not None for v in verdicts):  # the late-step world
+        out["shapeworld_clause/shapes"] = torch.tensor(
+            [NAN if v.shapes_ok is None else float(v.shapes_ok) for v in verdicts]
+        )
+        out["shapeworld_clause/texture_given_shapes"] = torch.tensor(
+            [float(v.objects_ok()) if v.shapes_ok else NAN for v in verdicts]
+        )
     return out
 
 
