@@ -29,6 +29,8 @@ from diffrl.models.loading import finalize_pipeline
 from diffrl.models.sd3 import SD3Adapter
 
 SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "toy_model"
+# the late-step world's base (textured objects: diffrl/toy/late_world.py)
+SHIPPED_LATE = SHIPPED.with_name("toy_model_late")
 _SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")  # eos id 3: CLIP pools at the first eos
 _WORDS = (
     "a an one two three four and to the left right of above below red green blue yellow purple "
@@ -291,13 +293,17 @@ class ToyAdapter(SD3Adapter):
 
     @classmethod
     def from_pretrained(cls, model_cfg) -> ToyAdapter:
-        """``shapeworld`` = the shipped weights; otherwise a directory from ``save_pretrained``."""
+        """``shapeworld`` = the shipped weights, ``shapeworld_late`` the late-step world's;
+        otherwise a directory from ``save_pretrained``."""
+        late = model_cfg.pretrained == "shapeworld_late"
         return load_toy(
             super().from_pretrained,
             model_cfg,
-            "shapeworld",
-            SHIPPED,
-            "scripts/pretrain_toy.py",
+            "shapeworld_late" if late else "shapeworld",
+            SHIPPED_LATE if late else SHIPPED,
+            "scripts/pretrain_toy.py --world late (assets/toy_model_late/README.md)"
+            if late
+            else "scripts/pretrain_toy.py",
             lambda adapter: adapter.transformer.config.sample_size,
         )
 

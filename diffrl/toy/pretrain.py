@@ -41,7 +41,7 @@ import torch
 
 from diffrl.models import tiny
 from diffrl.models.toy import ToyPipeline, build_components
-from diffrl.toy import positions
+from diffrl.toy import late_world, positions
 from diffrl.toy.recipe import SigmaDensity, Stage, parse_curriculum, parse_density, parse_weights, stage_at
 from diffrl.training.policy import EMA
 from rewards.shapeworld import grammar
@@ -91,6 +91,9 @@ class PretrainConfig:
     sigma_weights: str = ""
     qk_norm: str = ""  # "" (the shipped architecture) or "rms_norm" (SD3.5's query-key norm); new models only
     probe_prompts: int = 16  # held-out relation prompts of the relation probe at each eval (0: none)
+    # "shapeworld", or "late": the late-step world's textured captions, noise on textures
+    # only, and the texture words in the vocabulary (diffrl/toy/late_world.py)
+    world: str = "shapeworld"
 
 
 def batch_captions(
@@ -118,13 +121,14 @@ def parse_caption(caption: str):
     return positions.parse(caption) or grammar.parse(caption)
 
 
-def scene_specs(captions: list[str], noise: float, rnd: random.Random) -> list:
+def scene_specs(captions: list[str], noise: float, rnd: random.Random, corrupt_fn=None) -> list:
     """What each image shows: its caption's spec, or with probability ``noise`` a spec that
-    violates one clause of it (a mismatched caption)."""
+    violates one clause of it (a mismatched caption; ``corrupt_fn`` picks the clause)."""
     specs = [parse_caption(c) for c in captions]
     if noise <= 0:
         return specs
-    return [_corrupt(s, rnd) if rnd.random() < noise else s for s in specs]
+    corrupt_fn = corrupt_fn or _corrupt
+    return [corrupt_fn(s, rnd) if rnd.random() < noise else s for s in specs]
 
 
 def _corrupt(spec, rnd: random.Random):
@@ -194,10 +198,14 @@ def evaluate(pipe: ToyPipeline, prompts: list[str], steps: int, guidance: float,
         prompts, num_inference_steps=steps, guidance_scale=guidance, generator=gen, output_type="pt"
     )
     scores = ShapeWorldVerifier()(images, prompts)
-    return {
+    out = {
         "strict": float(scores["shapeworld_strict"].mean()),
         "partial": float(scores["shapeworld_partial"].mean()),
     }
+    for clause in ("shapes", "texture_given_shapes"):  # textured prompts (the late world)
+        if f"shapeworld_clause/{clause}" in scores:
+            out[clause] = float(scores[f"shapeworld_clause/{clause}"].nanmean())
+    return out
 
 
 def _save(pipe: ToyPipeline, ema: EMA, directory: Path) -> None:
@@ -219,21 +227,24 @@ def training_batch(cfg: PretrainConfig, by_kind: list[list[str]], stage: Stage, 
     kinds, weights = drawn_kinds(by_kind, stage.kind_weights)
     pairs = batch_captions(kinds, rnd, cfg.batch_size, cfg.caption_dropout, weights)
     # its own stream, so that caption_noise = 0 draws exactly the batches it always did
-    specs = scene_specs([c for c, _ in pairs], cfg.caption_noise, random.Random(f"{cfg.seed}-{step}-noise"))
+    noise_rnd = random.Random(f"{cfg.seed}-{step}-noise")
+    corrupt_fn = late_world.flip_texture if cfg.world == "late" else None
+    specs = scene_specs([c for c, _ in pairs], cfg.caption_noise, noise_rnd, corrupt_fn)
     return render_batch(specs, rnd, cfg.resolution, cfg.grid or None), [c for _, c in pairs]
 
 
 def pretrain(cfg: PretrainConfig, log=print) -> dict:
     """Train, evaluate every ``eval_every`` steps, save the EMA model to ``cfg.out``."""
     _validate(cfg)
-    by_kind = captions_by_kind()
+    late = cfg.world == "late"
+    by_kind = late_world.captions_by_kind() if late else captions_by_kind()
     stages = training_stages(cfg)
     pipe = _initial_pipeline(cfg)
     modules = [pipe.transformer, pipe.text_encoder]
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     ema = EMA(params, cfg.ema_decay, warmup=True)
-    evals = eval_sets(cfg.eval_prompts)
+    evals = (late_world.eval_sets if late else eval_sets)(cfg.eval_prompts)
     history, start, loss_acc = [], time.time(), 0.0
     for step in range(1, cfg.steps + 1):
         stage = stages[stage_at(stages, step)]
@@ -262,6 +273,13 @@ def pretrain(cfg: PretrainConfig, log=print) -> dict:
 
 
 def _initial_pipeline(cfg: PretrainConfig) -> ToyPipeline:
+    pipe = _loaded_or_new_pipeline(cfg)
+    if cfg.world == "late":
+        late_world.read_texture_words(pipe)
+    return pipe
+
+
+def _loaded_or_new_pipeline(cfg: PretrainConfig) -> ToyPipeline:
     if cfg.init is None:
         with tiny.seeded(cfg.seed):
             comps = build_components(resolution=cfg.resolution, qk_norm=cfg.qk_norm or None)
@@ -296,6 +314,9 @@ def training_stages(cfg: PretrainConfig) -> list[Stage]:
     three grammar kinds equally when the curriculum is empty too: the recipe before issue
     36); a stage without its own sigma density uses (``sigma_location``, ``sigma_weights``)."""
     density = parse_density(cfg.sigma_location, cfg.sigma_weights)
+    if cfg.world == "late":  # one stage: single objects and pairs, never the curriculum
+        weights = cfg.kind_weights.strip() or late_world.KIND_WEIGHTS
+        return [Stage(parse_weights(weights, KINDS, "--kind-weights", min_length=3), None, density)]
     if cfg.kind_weights.strip() or not cfg.curriculum.strip():
         weights = cfg.kind_weights.strip() or "1,1,1"
         return [Stage(parse_weights(weights, KINDS, "--kind-weights", min_length=3), None, density)]
@@ -309,6 +330,8 @@ def _validate(cfg: PretrainConfig) -> None:
         raise ValueError(f"--grid must be 0 (free layout) or 4..{cfg.resolution // 2} pixels, got {cfg.grid}")
     if cfg.prediction not in ("x0", "velocity"):
         raise ValueError(f"--prediction must be 'x0' or 'velocity', got '{cfg.prediction}'")
+    if cfg.world not in ("shapeworld", "late"):
+        raise ValueError(f"--world must be 'shapeworld' or 'late', got '{cfg.world}'")
     if not 0.0 <= cfg.caption_noise < 1.0:
         raise ValueError(f"--caption-noise must be in [0, 1), got {cfg.caption_noise}")
     training_stages(cfg)
@@ -327,7 +350,10 @@ def _eval_ema(pipe, ema, evals, cfg) -> dict:
             for guidance in (1.0, 3.0):
                 scores = evaluate(pipe, prompts, cfg.eval_steps, guidance)
                 out[f"{name}_strict_g{guidance:g}"] = round(scores["strict"], 3)
-        if cfg.probe_prompts:
+                for clause in ("shapes", "texture_given_shapes"):
+                    if clause in scores:
+                        out[f"{name}_{clause}_g{guidance:g}"] = round(scores[clause], 3)
+        if cfg.probe_prompts and cfg.world == "shapeworld":  # the late world has no relations
             out.update(probe_placement(pipe, cfg.probe_prompts, cfg.eval_steps))
     return out
 
