@@ -5,8 +5,9 @@ colour segmentation (nearest palette colour on non-background pixels), connected
 components (4-connected, same colour) and shape classification by how much of its
 bounding box a component fills (square ~1, circle ~pi/4, triangle ~1/2). Centroids
 decide relations. In the late-step world a component is striped when its vertically
-adjacent pixels differ more than its horizontally adjacent ones (:data:`STRIPE_THRESHOLD`),
-and a textured prompt's classes include the texture. Scores follow GenEval (Ghosh et
+adjacent pixels differ more than its horizontally adjacent ones by over
+:data:`STRIPED_ABOVE`, solid below :data:`SOLID_BELOW` and unclear between, and a
+textured prompt's classes include the texture. Scores follow GenEval (Ghosh et
 al. 2023): ``strict`` is 1 when every clause holds, ``partial`` is the fraction of
 clauses that hold.
 
@@ -31,8 +32,11 @@ from rewards.shapeworld.render import BACKGROUND, PALETTE, Placed, relation_hold
 _PALETTE = torch.tensor(list(PALETTE.values()), dtype=torch.float32) / 255
 _NAMES = list(PALETTE)
 # rendered stripes differ by 0.21-0.23 (max over channels, in [0, 1]) between rows and by
-# 0 within a row (render.STRIPE_TINT); a solid object differs by 0 both ways
-STRIPE_THRESHOLD = 0.1
+# 0 within a row (render.STRIPE_TINT); a solid object differs by 0 both ways. Between the
+# two bounds a texture is "unclear" and satisfies neither word: a model that hedges with
+# half-contrast stripes (seen early in the late base's pretraining) must not pass as both
+STRIPED_ABOVE = 0.14
+SOLID_BELOW = 0.07
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,9 @@ class Detection:
 
     @property
     def texture(self) -> str:
-        return "striped" if self.stripes > STRIPE_THRESHOLD else "solid"
+        if self.stripes > STRIPED_ABOVE:
+            return "striped"
+        return "solid" if self.stripes < SOLID_BELOW else "unclear"
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 import rewards
 from rewards.shapeworld import detect, grammar
 from rewards.shapeworld.render import PALETTE, Placed, corrupt, draw, render, textured_colours
-from rewards.shapeworld.verifier import STRIPE_THRESHOLD, verify
+from rewards.shapeworld.verifier import SOLID_BELOW, STRIPED_ABOVE, Detection, verify
 
 
 def _batch(images):
@@ -47,7 +47,7 @@ def test_every_colour_shape_and_size_is_detected_with_its_texture(colour, shape,
         (colour, shape, "striped"),
         (colour, shape, "solid"),
     ]
-    assert found[0].stripes > 2 * STRIPE_THRESHOLD and abs(found[1].stripes) < STRIPE_THRESHOLD / 2
+    assert found[0].stripes > STRIPED_ABOVE + 0.05 and abs(found[1].stripes) < SOLID_BELOW / 2
 
 
 @pytest.mark.parametrize("colour", list(PALETTE))
@@ -57,7 +57,7 @@ def test_the_textures_share_their_mean_colour(colour):
     striped, solid = (np.array(textured_colours(colour)[t]) for t in ("striped", "solid"))
     np.testing.assert_allclose(striped.mean(0), solid.mean(0), atol=1e-9)
     contrast = np.abs(striped[0] - striped[1]).max() / 255
-    assert contrast > 2 * STRIPE_THRESHOLD  # while the rows themselves differ clearly
+    assert contrast > STRIPED_ABOVE + 0.05  # while the rows themselves differ clearly
     two_rows = [Placed(colour, "square", 0, 0, 8, t) for t in ("striped", "solid")]
     a, b = (draw([o], 8).astype(float) for o in two_rows)
     np.testing.assert_allclose(a.reshape(4, 2, 8, 3).mean(1), b.reshape(4, 2, 8, 3).mean(1), atol=0.5)
@@ -97,3 +97,13 @@ def test_the_late_split_is_disjoint_and_holds_out_whole_object_pairs():
     }
     assert not pairs(train) & pairs(heldout)
     assert all(grammar.parse(p).groups[0].texture for p in train + heldout)
+
+
+def test_half_contrast_stripes_are_neither_texture():
+    """A model that hedges between the two textures draws stripes of about half the
+    contrast; that satisfies neither word."""
+    hedged = Detection("red", "square", 10.0, 10.0, 36, 1.0, stripes=0.11)
+    assert hedged.texture == "unclear"
+    assert verify("a striped red square", [hedged]).strict == 0.0
+    assert verify("a solid red square", [hedged]).strict == 0.0
+    assert verify("a red square", [hedged]).strict == 1.0  # an untextured prompt does not care
