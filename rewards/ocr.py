@@ -3,16 +3,28 @@
 Flow-GRPO's text-rendering reward (Liu et al. 2025, "Flow-GRPO: Training Flow Matching
 Models via Online RL", arXiv:2505.05470, Sec. 5, "visual text rendering"): the target is
 the text between the prompt's first pair of double quotes; target and recognised text are
-lower-cased with spaces removed, and the reward is
+lower-cased with spaces removed, the distance ``d`` is 0 when the target appears anywhere
+in the recognised text and their Levenshtein distance otherwise, and the reward is
 
-    r = 1 - min(d, |target|) / |target|,   d = Levenshtein(recognised, target)
+    r = 1 - min(d, |target|) / |target|
 
-so 1 is a perfect spelling and 0 is nothing right. flow_grpo recognises with PaddleOCR,
-which does not install on current stacks; here the recogniser is any transformers
-``VisionEncoderDecoderModel`` OCR checkpoint (TrOCR by default, Li et al. 2021,
-arXiv:2109.10282), loaded with its processor from a hub id or a ``save_pretrained``
-directory. TrOCR reads one line of text from the whole image, so it suits prompts whose
-text dominates the picture (signs, posters, covers), as flow_grpo's OCR prompts do.
+so 1 is a perfect spelling and 0 is nothing right. The containment rule is the
+reference's (yifan123/flow_grpo@ac4c86e8, ``flow_grpo/ocr.py: OcrScorer.__call__``; the
+same in X-GenGroup/Flow-Factory@a0b2bc5a, ``src/flow_factory/rewards/ocr.py``, and
+verl-project/verl-omni@a1139baf, ``verl_omni/utils/reward_score/genrm_ocr.py:
+_levenshtein_score``): "Cafe OPEN 24h" spells "OPEN" exactly, since a rendered sign may
+carry other words. ``contained_is_exact=False`` keeps the stricter whole-string distance,
+under which that example scores 0.0. Normalisation removes spaces only, as flow_grpo and
+Flow-Factory do; verl-omni removes every whitespace character, so "Hello<TAB>World"
+against "Hello World" scores 0.9 here and in flow_grpo, 1.0 in verl-omni.
+tests/fixtures/reference/ocr_geneval.json holds the three references' outputs.
+
+flow_grpo recognises with PaddleOCR, which does not install on current stacks; here the
+recogniser is any transformers ``VisionEncoderDecoderModel`` OCR checkpoint (TrOCR by
+default, Li et al. 2021, arXiv:2109.10282), loaded with its processor from a hub id or a
+``save_pretrained`` directory. TrOCR reads one line of text from the whole image, so it
+suits prompts whose text dominates the picture (signs, posters, covers), as flow_grpo's
+OCR prompts do.
 """
 
 from __future__ import annotations
@@ -55,22 +67,35 @@ def levenshtein(a: str, b: str) -> int:
     return previous[-1]
 
 
-def text_accuracy(recognised: str, target: str) -> float:
-    """``1 - min(d, |t|) / |t|`` on the normalised strings (0 for an empty target)."""
+def text_distance(recognised: str, target: str, contained_is_exact: bool = True) -> int:
+    """flow_grpo's ``d`` on the normalised strings: 0 when the target is inside the
+    recognised text (with ``contained_is_exact``), else their edit distance."""
     recognised, target = normalise(recognised), normalise(target)
-    if not target:
+    if contained_is_exact and target in recognised:
+        return 0
+    return levenshtein(recognised, target)
+
+
+def text_accuracy(recognised: str, target: str, contained_is_exact: bool = True) -> float:
+    """``1 - min(d, |t|) / |t|`` (0 for an empty target, which flow_grpo divides by)."""
+    length = len(normalise(target))
+    if not length:
         return 0.0
-    return 1.0 - min(levenshtein(recognised, target), len(target)) / len(target)
+    return 1.0 - min(text_distance(recognised, target, contained_is_exact), length) / length
 
 
 class OCRReward(ClipReward):
-    """``reward(images, prompts) -> {"ocr": accuracy in [0, 1], "ocr_exact": 1 if spelled exactly}``.
+    """``reward(images, prompts) -> {"ocr": accuracy in [0, 1], "ocr_exact": 1 if spelled exactly}``
+    (exactly: distance 0 under the chosen rule, so with ``contained_is_exact`` a target inside
+    longer text counts).
 
     Args:
         pretrained: hub id or local directory of a transformers ``VisionEncoderDecoderModel``
             OCR checkpoint (TrOCR).
         processor: its processor (hub id or directory); None uses ``pretrained``.
         max_new_tokens: longest recognised text, in tokens.
+        contained_is_exact: a target found inside the recognised text has distance 0
+            (flow_grpo's rule, the default); False scores the whole recognised text.
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
 
     With a ``metadata`` dict, the recognised strings are stored under ``metadata["ocr"]``.
@@ -85,6 +110,7 @@ class OCRReward(ClipReward):
         pretrained: str | None = None,
         processor: str | None = None,
         max_new_tokens: int = 32,
+        contained_is_exact: bool = True,
         device=None,
         dtype="float32",
         batch_size: int = 16,
@@ -95,6 +121,9 @@ class OCRReward(ClipReward):
         if int(max_new_tokens) < 1:
             raise ValueError(f"ocr: max_new_tokens must be >= 1, got {max_new_tokens}")
         self.max_new_tokens = int(max_new_tokens)
+        if not isinstance(contained_is_exact, bool):
+            raise ValueError(f"ocr: contained_is_exact must be true or false, got {contained_is_exact!r}")
+        self.contained_is_exact = contained_is_exact
         pretrained = pretrained or self.default_pretrained
         self.model = hf_pretrained(
             self.name,
@@ -136,9 +165,11 @@ class OCRReward(ClipReward):
         texts = self.read(pixels)
         self._texts.extend(texts)
         targets = [quoted_text(p) or "" for p in prompts]  # unchecked prompts score 0, never raise
-        accuracy = [text_accuracy(t, target) for t, target in zip(texts, targets)]
+        rule = self.contained_is_exact
+        accuracy = [text_accuracy(t, target, rule) for t, target in zip(texts, targets)]
         exact = [
-            float(bool(target) and normalise(t) == normalise(target)) for t, target in zip(texts, targets)
+            float(bool(normalise(target)) and text_distance(t, target, rule) == 0)
+            for t, target in zip(texts, targets)
         ]
         return {self.name: torch.tensor(accuracy), "ocr_exact": torch.tensor(exact)}
 

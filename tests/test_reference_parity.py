@@ -417,3 +417,22 @@ def test_dgpo_loss_and_gradient_match_the_reference(case):
     loss.backward()
     assert loss.item() == pytest.approx(case["loss"], rel=1e-10)
     torch.testing.assert_close(v.grad, tensor(case["grad_model_v"]), rtol=1e-9, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- OCR and GenEval rewards
+
+OCR_GENEVAL = load("ocr_geneval.json")
+
+
+@pytest.mark.parametrize("case", OCR_GENEVAL["ocr"]["cases"], ids=lambda c: repr(c["recognised"]))
+def test_ocr_accuracy_matches_flow_grpo_and_flow_factory(case):
+    from rewards.ocr import quoted_text, text_accuracy
+
+    ours = text_accuracy(case["recognised"], quoted_text(case["prompt"]))
+    assert ours == pytest.approx(case["flow_grpo"], abs=1e-12)
+    assert ours == pytest.approx(case["flow_factory"], abs=1e-12)
+    if any(c.isspace() and c != " " for c in case["recognised"]):
+        # verl-omni removes every whitespace character, flow_grpo and we only spaces
+        assert case["verl_omni"] != case["flow_grpo"]
+    else:
+        assert ours == pytest.approx(case["verl_omni"], abs=1e-12)

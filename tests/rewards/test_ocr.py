@@ -118,6 +118,25 @@ def test_accuracy_is_one_minus_clamped_distance_over_length(recognised, target, 
     assert text_accuracy(recognised, target) == pytest.approx(expected)
 
 
+def _strict_accuracy(recognised: str, target: str) -> float:
+    """The formula with the whole-string distance, from the recursive definition."""
+    r, t = recognised.replace(" ", "").lower(), target.replace(" ", "").lower()
+    return 1 - min(_reference_distance(r, t), len(t)) / len(t)
+
+
+@pytest.mark.parametrize(
+    "recognised, target",
+    [("Cafe OPEN 24h", "OPEN"), ("xxopenxx", "Open"), ("Grand OPENING today", "open ing"), ("OPEN", "OPEN")],
+)
+def test_a_target_inside_the_recognised_text_is_exact_unless_asked_otherwise(recognised, target):
+    # flow_grpo / Flow-Factory / verl-omni: distance 0 when the target is a substring
+    assert text_accuracy(recognised, target) == 1.0
+    strict = text_accuracy(recognised, target, contained_is_exact=False)
+    assert strict == pytest.approx(_strict_accuracy(recognised, target))
+    assert strict < 1.0 or recognised.lower() == target.lower()
+    assert text_accuracy("Cafe OPEN 24h", "OPEN", contained_is_exact=False) == 0.0  # the issue's example
+
+
 def test_target_is_the_first_quoted_text():
     assert quoted_text('a neon sign that says "Open 24h", with "more"') == "Open 24h"
     assert quoted_text("a poster reading \u201cSALE\u201d") == "SALE"  # typographic quotes
@@ -170,6 +189,20 @@ def test_transcription_equals_greedy_decoding_by_hand_and_scores_it(reward):
     assert out["ocr"][0] == 1.0 and out["ocr_exact"].tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_a_target_inside_the_models_reading_is_exact_by_default_and_not_when_strict(checkpoint, reward):
+    x = images(2)
+    read = [t.replace(" ", "") for t in reward.read(x)]
+    assert all(len(t) >= 4 for t in read)
+    prompts = [f'a sign "{read[0][1:4]}"', f'a sign "{read[1][:3]}q"']  # inside it; not inside it
+    out = reward(x, prompts)
+    assert out["ocr"][0] == 1.0 and out["ocr_exact"].tolist() == [1.0, 0.0]
+    assert out["ocr"][1] == pytest.approx(_strict_accuracy(read[1], read[1][:3] + "q"))
+    strict = OCRReward(pretrained=str(checkpoint), max_new_tokens=6, contained_is_exact=False)(x, prompts)
+    expected = [_strict_accuracy(t, quoted_text(p)) for t, p in zip(read, prompts)]
+    torch.testing.assert_close(strict["ocr"], torch.tensor(expected))
+    assert strict["ocr"][0] < 1.0 and strict["ocr_exact"].tolist() == [0.0, 0.0]
+
+
 def test_scores_do_not_depend_on_batching_or_input_type(checkpoint, reward):
     x, prompts = images(), ['"ab"', '"cd"', '"yellow"', '"red"']
     out = reward(x, prompts)
@@ -184,6 +217,8 @@ def test_builds_through_the_registry(checkpoint):
     assert isinstance(built, OCRReward) and built.max_new_tokens == 2
     with pytest.raises(rewards.RewardArgsError, match="max_new_tokens must be >= 1"):
         rewards.build("ocr", pretrained=str(checkpoint), max_new_tokens=0)
+    with pytest.raises(rewards.RewardArgsError, match="contained_is_exact must be true or false"):
+        rewards.build("ocr", pretrained=str(checkpoint), contained_is_exact="yes")
 
 
 def test_missing_weights_name_the_path_or_the_download(tmp_path):
