@@ -6,7 +6,9 @@
   ``FP8_DEFAULT_CFG``. Its NVFP4 quantizers are fake quant (quantize-dequantize) in
   Triton/CUDA kernels, so they need a CUDA GPU; FP4 *tensor cores* exist only on
   Blackwell (sm_100+). On Hopper and older, NVFP4 is simulated: the numerics of NVFP4,
-  none of its speed (H100 has no FP4 tensor cores; docs/ALGORITHMS.md section 9).
+  none of its speed (H100 has no FP4 tensor cores; docs/ALGORITHMS.md section 9). The
+  copy (``modelopt_copy.py``) folds its quantized weights once per sync, so a forward
+  quantizes activations only.
 * ``torchao``: FP8 (E4M3) dynamic activations and weights through
   ``quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``
   under ``torch.compile``: real FP8 GEMMs (``torch._scaled_mm``) on GPUs with FP8
@@ -35,8 +37,9 @@ import importlib
 import torch
 from torch import nn
 
-from diffrl.quant.exploration import PRECISIONS, ExplorationCopy
+from diffrl.quant.exploration import PRECISIONS, ConvAsLinear, ExplorationCopy, swap_pointwise_convs
 from diffrl.quant.keep_high import default_keep_high
+from diffrl.quant.modelopt_copy import ModelOptCopy
 
 BACKENDS = ("auto", "reference", "modelopt", "torchao", "none")
 _PIP = {"modelopt": "pip install nvidia-modelopt[torch]", "torchao": "pip install torchao"}
@@ -181,118 +184,6 @@ def _check_requested(precision: str, backend: str, hw: dict) -> None:
         )
 
 
-# -- 1x1 convs as linears ----------------------------------------------------------------
-class ConvAsLinear(nn.Module):
-    """A 1x1 conv (stride 1, no padding, one group) as the ``nn.Linear`` it is per pixel,
-    so a backend that quantizes linears blocks its input along the channels."""
-
-    def __init__(self, conv: nn.Conv2d):
-        super().__init__()
-        w = conv.weight
-        self.linear = nn.Linear(
-            conv.in_channels, conv.out_channels, bias=conv.bias is not None, device=w.device, dtype=w.dtype
-        )
-        with torch.no_grad():
-            self.linear.weight.copy_(w.reshape(w.shape[0], -1))
-            if conv.bias is not None:
-                self.linear.bias.copy_(conv.bias)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x.movedim(1, -1).contiguous()).movedim(-1, 1)
-
-
-def _swap_pointwise_convs(model: nn.Module, names: list[str]) -> set[str]:
-    """Replace every conv among ``names`` by a :class:`ConvAsLinear`; return the names of
-    the ``nn.Linear`` layers the backend must quantize."""
-    targets = set()
-    for name in names:
-        layer = model.get_submodule(name)
-        if isinstance(layer, nn.Conv2d):
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, ConvAsLinear(layer))
-            name = f"{name}.linear"
-        targets.add(name)
-    return targets
-
-
-# -- modelopt ----------------------------------------------------------------------------
-class ModelOptCopy(ExplorationCopy):
-    """Exploration copy quantized by NVIDIA ModelOpt. Weights are kept in high precision
-    and fake-quantized in the forward, so sync loads merged weights, then resets and
-    re-runs the max calibration: the NVFP4 tensor scale amax / (6 * 448) (and FP8's
-    amax / 448) then comes from the new weights, never a stale one (modelopt's max
-    calibrator would otherwise keep the running max of the old and new weights).
-
-    Without ``forward_loop`` (a callable running calibration batches through the model),
-    input quantizers have no calibrated amax and compute it per call, over the whole
-    batch; with it, input amax is static and re-calibrated at every sync.
-    """
-
-    backend = "modelopt"
-
-    def __init__(self, transformer: nn.Module, precision: str, keep_high=(), forward_loop=None, device=None):
-        if precision not in ("nvfp4", "fp8"):
-            raise ValueError(f"ModelOptCopy quantizes nvfp4 or fp8, not '{precision}'")
-        self.forward_loop = forward_loop
-        self._mtq = None
-        super().__init__(transformer, precision, keep_high, device)
-        import modelopt.torch.quantization as mtq
-
-        targets = _swap_pointwise_convs(self.model, self.quantized)
-        config = mtq.NVFP4_DEFAULT_CFG if precision == "nvfp4" else _fp8_per_row_config(mtq.FP8_DEFAULT_CFG)
-        self.model = mtq.quantize(self.model, {**config, "algorithm": None})  # calibrated below
-
-        def owner(quantizer: str) -> str:
-            return quantizer.rpartition(".")[0]
-
-        # our keep-high list decides, not modelopt's name-based disables (``*proj_out.*``)
-        mtq.disable_quantizer(self.model, lambda q: owner(q) not in targets)
-        mtq.enable_quantizer(
-            self.model,
-            lambda q: owner(q) in targets and q.rpartition(".")[2] in ("weight_quantizer", "input_quantizer"),
-        )
-        self._mtq = mtq
-        self._calibrate()
-
-    def _install_quantizers(self) -> None:
-        """modelopt inserts its own quantizers."""
-
-    def quantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """Stored in high precision: modelopt fake-quantizes weights in the forward."""
-        return weight
-
-    def sync(self, transformer: nn.Module) -> None:
-        super().sync(transformer)
-        if self._mtq is not None:
-            self._calibrate()
-
-    def _calibrate(self) -> None:
-        from modelopt.torch.quantization.nn import TensorQuantizer
-
-        for module in self.model.modules():
-            calibrated = getattr(module, "_calibrator", None) is not None
-            if isinstance(module, TensorQuantizer) and module.is_enabled and calibrated:
-                module.reset_amax()
-        self._mtq.calibrate(self.model, algorithm="max", forward_loop=self.forward_loop)
-
-
-def _fp8_per_row_config(default: dict) -> dict:
-    """modelopt's FP8 recipe with the reference quantizer's granularity: one scale per
-    output row of a weight (axis 0) and one per sample of an activation (axis 0 of its
-    input), where modelopt's default takes one per tensor for both."""
-    per_row = {"num_bits": (4, 3), "axis": 0}
-    extra = [{"quantizer_name": f"*{q}", "cfg": per_row} for q in ("weight_quantizer", "input_quantizer")]
-    return {**default, "quant_cfg": [*default["quant_cfg"], *extra]}
-
-
 # -- torchao -----------------------------------------------------------------------------
 def _copy_inner_(old: torch.Tensor, new: torch.Tensor) -> bool:
     """Copy a traceable tensor subclass's inner tensors (torchao's qdata and scale) in
@@ -330,7 +221,7 @@ class TorchaoCopy(ExplorationCopy):
         # master weights, the fp32 twins) runs its unquantized layers in BF16 too
         self.model.to(torch.bfloat16)
         self._dtypes = {n: torch.bfloat16 for n in self.quantized}
-        targets = _swap_pointwise_convs(self.model, self.quantized)
+        targets = swap_pointwise_convs(self.model, self.quantized)
         config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
         quantize_(self.model, config, filter_fn=lambda _m, fqn: fqn in targets)
         self._config = config

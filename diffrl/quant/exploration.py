@@ -213,3 +213,45 @@ class ExplorationCopy:
             if "lora_" in key or module in self._layer_set or key not in own or not owns(module):
                 continue
             own[key].copy_(value.detach())
+
+
+# -- 1x1 convs as linears, for the library backends (backends.py, modelopt_copy.py) ------
+class ConvAsLinear(nn.Module):
+    """A 1x1 conv (stride 1, no padding, one group) as the ``nn.Linear`` it is per pixel,
+    so a backend that quantizes linears blocks its input along the channels."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        w = conv.weight
+        self.linear = nn.Linear(
+            conv.in_channels, conv.out_channels, bias=conv.bias is not None, device=w.device, dtype=w.dtype
+        )
+        with torch.no_grad():
+            self.linear.weight.copy_(w.reshape(w.shape[0], -1))
+            if conv.bias is not None:
+                self.linear.bias.copy_(conv.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.movedim(1, -1).contiguous()).movedim(-1, 1)
+
+
+def swap_pointwise_convs(model: nn.Module, names: list[str]) -> set[str]:
+    """Replace every conv among ``names`` by a :class:`ConvAsLinear`; return the names of
+    the ``nn.Linear`` layers the backend must quantize."""
+    targets = set()
+    for name in names:
+        layer = model.get_submodule(name)
+        if isinstance(layer, nn.Conv2d):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, ConvAsLinear(layer))
+            name = f"{name}.linear"
+        targets.add(name)
+    return targets

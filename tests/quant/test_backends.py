@@ -267,11 +267,12 @@ def _forward(adapter, model):
 @needs_modelopt
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
 def test_modelopt_copy_quantizes_our_layers_not_its_name_defaults(precision):
-    """NVFP4 is built and calibrated here too; only its forward needs CUDA."""
+    """NVFP4 is built and calibrated here too, unfolded: its forward and its weight
+    folding need CUDA."""
     from diffrl.quant.backends import ModelOptCopy
 
     _, policy = _policy("flux")
-    copy = ModelOptCopy(policy.transformer, precision, default_keep_high("flux"))
+    copy = ModelOptCopy(policy.transformer, precision, default_keep_high("flux"), fold=False)
     assert _enabled_owners(copy.model) == set(copy.quantized)  # weight and input quantizers alike
     assert "single_transformer_blocks.0.proj_out" in copy.quantized  # modelopt's default disables *proj_out.*
     name = "single_transformer_blocks.0.proj_out"
@@ -324,6 +325,63 @@ def test_modelopt_sync_recalibrates_instead_of_keeping_a_stale_amax():
     assert torch.equal(_forward(adapter, copy.model), _forward(adapter, fresh.model))
 
 
+def _count_fake_quant(monkeypatch, model):
+    """Which kinds of quantizer (``weight_quantizer``, ``input_quantizer``) of ``model``
+    fake-quantize a tensor, one entry per call, from now on."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    kinds = {id(m): n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, TensorQuantizer)}
+    calls, real = [], TensorQuantizer._fake_quantize
+
+    def spy(self, inputs):
+        calls.append(kinds.get(id(self), "elsewhere"))
+        return real(self, inputs)
+
+    monkeypatch.setattr(TensorQuantizer, "_fake_quantize", spy)
+    return calls
+
+
+@needs_modelopt
+def test_modelopt_folds_weights_once_and_computes_what_it_computed_unfolded(monkeypatch):
+    """After a sync the weights are quantize-dequantized once and stored (issue 37,
+    defect 8): a forward fake-quantizes activations only, and its output is the unfolded
+    copy's bit for bit (on CPU in fp32 the fold applies the same quantizer to the same
+    fp32 weight the unfolded forward quantizes, then the same matmul runs)."""
+    from diffrl.quant.backends import ModelOptCopy
+
+    adapter, policy = _policy("flux")
+    folded = build_exploration_copy(policy.transformer, "flux", "fp8", backend="modelopt", log=lambda _: None)
+    calls = _count_fake_quant(monkeypatch, folded.model)
+    out = _forward(adapter, folded.model)
+    assert calls.count("weight_quantizer") == 0 and calls.count("input_quantizer") > 0
+    unfolded = ModelOptCopy(policy.transformer, "fp8", default_keep_high("flux"), fold=False)
+    calls = _count_fake_quant(monkeypatch, unfolded.model)
+    assert torch.equal(out, _forward(adapter, unfolded.model))
+    assert calls.count("weight_quantizer") == calls.count("input_quantizer") > 0  # the spy sees weights
+    name = "single_transformer_blocks.0.proj_out"
+    layer = unfolded.model.get_submodule(name)
+    assert torch.equal(folded.model.get_submodule(name).weight, layer.weight_quantizer(layer.weight))
+
+
+@needs_modelopt
+def test_modelopt_sync_folds_the_new_weights_not_the_folded_ones(monkeypatch):
+    adapter, policy = _policy("flux")
+    copy = build_exploration_copy(policy.transformer, "flux", "fp8", backend="modelopt", log=lambda _: None)
+    name = "transformer_blocks.0.attn.to_q"
+    before = copy.model.get_submodule(name).weight.clone()
+    with torch.no_grad():  # a LoRA step: the merged weights change by a random amount
+        for p in policy.trainable_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+    copy.sync(policy.transformer)
+    fresh = build_exploration_copy(policy.transformer, "flux", "fp8", backend="modelopt", log=lambda _: None)
+    assert not torch.equal(copy.model.get_submodule(name).weight, before)
+    for n in copy.quantized:  # folded from the new high-precision weights, like a fresh copy
+        assert torch.equal(copy.model.get_submodule(n).weight, fresh.model.get_submodule(n).weight), n
+    calls = _count_fake_quant(monkeypatch, copy.model)
+    assert torch.equal(_forward(adapter, copy.model), _forward(adapter, fresh.model))
+    assert calls.count("weight_quantizer") == 0 and calls.count("input_quantizer") > 0
+
+
 @needs_modelopt
 def test_modelopt_copy_quantizes_sana_pointwise_convs_as_linears():
     adapter, policy = _policy("sana")
@@ -333,7 +391,10 @@ def test_modelopt_copy_quantizes_sana_pointwise_convs_as_linears():
     owners = _enabled_owners(copy.model)
     assert f"{conv}.linear" in owners and "transformer_blocks.0.ff.conv_depth" not in owners
     merged = merged_weight(policy.transformer.get_submodule(conv))
-    assert torch.equal(copy.model.get_submodule(conv).weight, merged.reshape(merged.shape[0], -1))
+    flat = merged.reshape(merged.shape[0], -1)  # loaded as (out, in), folded: quantized once
+    torch.testing.assert_close(
+        copy.model.get_submodule(conv).weight, fake_fp8(flat, per_row=True), rtol=1e-6, atol=0
+    )
     assert torch.isfinite(_forward(adapter, copy.model)).all()
 
 
