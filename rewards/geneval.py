@@ -5,9 +5,16 @@ over a transformers detector and CLIP colour classifier (:mod:`rewards.geneval_m
 Prompts are GenEval captions ("a photo of two dogs", "a photo of a cat left of a dog", ...),
 parsed into GenEval's metadata. Scores, all logged (``score`` picks the one optimised):
 
-* ``geneval_partial``: flow-GRPO's training reward, the mean clause credit with exact counts;
+* ``geneval_partial``: the mean clause credit with exact counts. With ``partial: flow_grpo``
+  (the default) it is flow-GRPO's training reward as its reward server computes it
+  (yifan123/reward-server@92ac29fb, ``reward_server/gen_eval.py: evaluate_reward``),
+  including the extra 1.0 it appends after a failed relation (3/4 for a position prompt
+  whose relation alone fails); the default follows the reference so that rewards and
+  curves compare with flow-GRPO's. ``partial: per_clause`` gives each clause one credit
+  (2/3 there), which is not the reference's number;
 * ``geneval_strict``: flow-GRPO's exact-count verdict (1 when every clause holds);
 * ``geneval_correct``: GenEval's benchmark verdict (at-least counts, exclusions).
+tests/fixtures/reference/ocr_geneval.json holds the reward server's outputs.
 
 Detections pass GenEval's filters: confidence above ``threshold`` (``counting_threshold`` for
 counting prompts; 0.3 / 0.9 in GenEval, calibrated for Mask2Former's confidences; OWLv2's
@@ -29,6 +36,7 @@ from rewards.errors import some_of
 from rewards.geneval_models import ClipColours, OwlDetector, ShapeWorldDetector, keep, known_colours
 
 SCORES = {"partial": "geneval_partial", "strict": "geneval_strict", "geneval": "geneval_correct"}
+PARTIAL = {"flow_grpo": rules.FLOW_GRPO, "per_clause": rules.FLOW_GRPO_PER_CLAUSE}
 
 
 class GenEval(ClipReward):
@@ -40,6 +48,7 @@ class GenEval(ClipReward):
         detector: hub id or directory of a transformers zero-shot detector, or ``shapeworld``.
         clip: hub id or directory of the CLIPModel that names colours.
         score: ``partial``, ``strict`` or ``geneval`` (see the module docstring).
+        partial: ``flow_grpo`` (the reference's partial credit) or ``per_clause``.
         threshold, counting_threshold, max_objects, max_overlap: the detection filter.
         position_threshold: GenEval's share of the box sizes discounted from offsets (0.1).
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
@@ -55,6 +64,7 @@ class GenEval(ClipReward):
         detector: str | None = None,
         clip: str | None = None,
         score: str = "partial",
+        partial: str = "flow_grpo",
         threshold: float = 0.3,
         counting_threshold: float = 0.9,
         max_objects: int = 16,
@@ -67,6 +77,9 @@ class GenEval(ClipReward):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
         if score not in SCORES:
             raise ValueError(f"geneval: score must be one of {', '.join(SCORES)}, got {score!r}")
+        if partial not in PARTIAL:
+            raise ValueError(f"geneval: partial must be one of {', '.join(PARTIAL)}, got {partial!r}")
+        self.flow_rules = PARTIAL[partial]
         if int(max_objects) < 1 or not 0 <= float(threshold) < 1 or not 0 <= float(counting_threshold) < 1:
             raise ValueError("geneval: thresholds must be in [0, 1) and max_objects >= 1")
         self.score, self.max_objects = score, int(max_objects)
@@ -126,7 +139,7 @@ class GenEval(ClipReward):
 
         return {
             "geneval": rules.judge(task, detected, colours, self.holds, rules.GENEVAL),
-            "flow_grpo": rules.judge(task, detected, colours, self.holds, rules.FLOW_GRPO),
+            "flow_grpo": rules.judge(task, detected, colours, self.holds, self.flow_rules),
         }
 
     def detect(self, pixels: torch.Tensor, tasks: list) -> list[dict | None]:

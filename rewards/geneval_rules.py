@@ -10,11 +10,16 @@ per class, most confident first. Three rule sets read the same clauses:
   least ``count`` detections; colour and position are judged on the ``count`` most
   confident ones; every object of a group must stand in the relation to every object of
   its target group; exclude clauses apply (counting prompts exclude ``count + 1``).
-* :data:`FLOW_GRPO`: flow-GRPO's GenEval training reward (its reward server's
-  ``evaluate_reward``): counts must be exact, and the partial score is the mean of
-  per-clause credits ``1 - |count - found| / count`` (negative when far too many objects
-  are found, as there). Unlike there, a failed position clause gives credit 0 only; the
-  reference also appends a 1 after it, which we take for a slip.
+* :data:`FLOW_GRPO`: flow-GRPO's GenEval training reward (its reward server,
+  yifan123/reward-server@92ac29fb, ``reward_server/gen_eval.py: evaluate_reward``, which
+  flow_grpo's ``geneval_score`` optimises as ``score``): counts must be exact, and the
+  partial score is the mean of per-clause credits ``1 - |count - found| / count``
+  (negative when far too many objects are found, as there). When both groups of a
+  position prompt pass and the relation fails, the reference appends 0.0 *and then* 1.0,
+  so "a cat left of a dog" with the cat on the right scores 3/4, not 2/3; we reproduce it
+  as an extra clause (``extra: True``, credit 1) because that is the number flow-GRPO
+  trained on. :data:`FLOW_GRPO_PER_CLAUSE` drops it (one clause, one credit: 2/3), which
+  we take to be what was meant.
 * :data:`SHAPEWORLD`: the ShapeWorld verifier (:mod:`rewards.shapeworld.verifier`), the
   offline twin: exact counts of each (colour, shape) class, and a relation that holds when
   any pair of the two groups stands in it, judged whether or not the counts are right.
@@ -26,7 +31,7 @@ ShapeWorld's centroid margin.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 POSITIONS = ("left of", "right of", "above", "below")
 
@@ -88,17 +93,20 @@ class Rules:
     every_pair: bool  # relation between every pair of the two groups (GenEval) or any pair
     relation_needs_groups: bool  # relation judged only when both groups passed their clauses
     use_exclude: bool
+    failed_relation_extra: bool = False  # flow-GRPO's extra 1.0 after a failed relation (see above)
 
 
 GENEVAL = Rules(exact_counts=False, every_pair=True, relation_needs_groups=True, use_exclude=True)
-FLOW_GRPO = Rules(exact_counts=True, every_pair=True, relation_needs_groups=True, use_exclude=False)
+FLOW_GRPO = replace(GENEVAL, exact_counts=True, use_exclude=False, failed_relation_extra=True)
+FLOW_GRPO_PER_CLAUSE = replace(FLOW_GRPO, failed_relation_extra=False)
 SHAPEWORLD = Rules(exact_counts=True, every_pair=False, relation_needs_groups=False, use_exclude=False)
 
 
 @dataclass
 class Judgement:
     """Clauses of one image: dicts with ``clause`` (text), ``ok``, ``credit`` and, for object
-    groups, ``found``. ``correct`` is every clause holding."""
+    groups, ``found``; flow-GRPO's extra credit is a clause with ``extra: True``. ``correct``
+    is every clause holding."""
 
     clauses: list[dict] = field(default_factory=list)
 
@@ -108,8 +116,9 @@ class Judgement:
 
     @property
     def fraction(self) -> float:
-        """Share of clauses that hold (ShapeWorld's ``partial``)."""
-        return sum(c["ok"] for c in self.clauses) / max(len(self.clauses), 1)
+        """Share of clauses that hold (ShapeWorld's ``partial``; extra credits aside)."""
+        real = [c for c in self.clauses if not c.get("extra")]
+        return sum(c["ok"] for c in real) / max(len(real), 1)
 
     @property
     def credit(self) -> float:
@@ -189,6 +198,9 @@ def judge(
             met = bool(pairs) and (all(pairs) if rules.every_pair else any(pairs))
             text = f"{req.name()} {relation} {task.include[target].name()}"
             out.clauses.append({"clause": text, "ok": met, "credit": float(met)})
+            if judged and not met and rules.failed_relation_extra:
+                extra = "flow-GRPO's extra credit after a failed relation"
+                out.clauses.append({"clause": extra, "ok": True, "credit": 1.0, "extra": True})
     if rules.use_exclude:
         for req in task.exclude:
             n = len(detected.get(req.cls, []))

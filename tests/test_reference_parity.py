@@ -436,3 +436,45 @@ def test_ocr_accuracy_matches_flow_grpo_and_flow_factory(case):
         assert case["verl_omni"] != case["flow_grpo"]
     else:
         assert ours == pytest.approx(case["verl_omni"], abs=1e-12)
+
+
+def _judge_reference_case(case, rule):
+    from rewards import geneval_rules as rules
+    from rewards.geneval_models import keep
+
+    thresholds = OCR_GENEVAL["geneval"]["thresholds"]
+    task = rules.Task.from_metadata(case["metadata"])
+    threshold = thresholds["counting_threshold" if task.tag == "counting" else "threshold"]
+    detected = {}
+    for cls, rows in case["detections"].items():
+        # the reference ran in float32 (mmdet's arrays): its scores, rounded the same way
+        found = [rules.Found(tuple(r[:4]), float(torch.tensor(r[4]))) for r in rows]
+        kept = keep(found, threshold, thresholds["max_objects"], case["nms_threshold"])
+        if kept:
+            detected[cls] = kept
+
+    def colours(found, cls):
+        index = [[tuple(r[:4]) for r in case["detections"][cls]].index(f.box) for f in found]
+        return [case["colours"][f"{cls}{i}"] for i in index]
+
+    verdict = rules.judge(task, detected, colours, rules.box_relation(thresholds["position_threshold"]), rule)
+    return detected, verdict
+
+
+@pytest.mark.parametrize(
+    "case", OCR_GENEVAL["geneval"]["cases"], ids=lambda c: f"{c['name']}-nms{c['nms_threshold']}"
+)
+def test_geneval_scores_match_flow_grpos_reward_server(case):
+    from rewards import geneval_rules as rules
+
+    detected, flow = _judge_reference_case(case, rules.FLOW_GRPO)
+    kept = {cls: [list(f.box) for f in found] for cls, found in detected.items()}
+    assert kept == {cls: [b[:4] for b in boxes] for cls, boxes in case["kept"].items()}
+    assert flow.credit == pytest.approx(case["score"], abs=1e-12)
+    assert flow.correct == case["strict_correct"]
+    assert _judge_reference_case(case, rules.GENEVAL)[1].correct == case["correct"]
+    # the per-clause option removes exactly the reference's extra 1.0 after a failed relation
+    per_clause = _judge_reference_case(case, rules.FLOW_GRPO_PER_CLAUSE)[1]
+    extra = sum(bool(c.get("extra")) for c in flow.clauses)
+    n = len(per_clause.clauses)
+    assert per_clause.credit == pytest.approx((case["score"] * (n + extra) - extra) / n, abs=1e-12)

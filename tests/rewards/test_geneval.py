@@ -161,9 +161,11 @@ def test_position_needs_every_pair_and_both_groups():
     left = {"cat": [Found(box(0, 0))], "dog": [Found(box(50, 0))]}
     assert judge(task, left).correct
     right = {"cat": [Found(box(80, 0))], "dog": [Found(box(50, 0))]}
-    assert not judge(task, right).correct and judge(
-        task, right, rule=rules.FLOW_GRPO
-    ).credit == pytest.approx(2 / 3)
+    assert not judge(task, right).correct
+    # reward-server's evaluate_reward appends [dog 1, cat 1, relation 0.0, then 1.0]: 3/4
+    assert judge(task, right, rule=rules.FLOW_GRPO).credit == pytest.approx((1 + 1 + 0 + 1) / 4)
+    assert judge(task, right, rule=rules.FLOW_GRPO_PER_CLAUSE).credit == pytest.approx(2 / 3)
+    assert not judge(task, right, rule=rules.FLOW_GRPO).correct  # the extra credit is no verdict
     no_dog = judge(task, {"cat": [Found(box(0, 0))]})
     assert [c["ok"] for c in no_dog.clauses] == [False, True, False]
 
@@ -216,7 +218,7 @@ def scene(*objects, resolution=64):
         (
             "a photo of a circle left of a square",
             [Placed("red", "circle", 40, 20, 12), Placed("blue", "square", 5, 20, 12)],
-            2 / 3,
+            3 / 4,  # flow-GRPO's reward server: [1, 1, 0.0, 1.0] (a failed relation adds 0 then 1)
             0,
             0,
         ),
@@ -236,6 +238,15 @@ def test_shapeworld_twin_scores_drawn_scenes(caption, objects, partial, strict, 
     assert out["geneval_partial"].item() == pytest.approx(partial)
     assert (out["geneval_strict"].item(), out["geneval_correct"].item()) == (strict, correct)
     assert out["geneval"].item() == pytest.approx(partial)  # the default optimises flow-GRPO's partial credit
+
+
+def test_per_clause_partial_gives_a_failed_relation_one_clause():
+    objects = [Placed("red", "circle", 40, 20, 12), Placed("blue", "square", 5, 20, 12)]
+    caption = "a photo of a circle left of a square"
+    reward = GenEval(detector="shapeworld", partial="per_clause")
+    assert reward(scene(*objects), [caption])["geneval_partial"].item() == pytest.approx(2 / 3)
+    with pytest.raises(rewards.RewardArgsError, match="partial must be one of flow_grpo, per_clause"):
+        rewards.build("geneval", detector="shapeworld", partial="reference")
 
 
 def test_each_box_is_coloured_once_for_both_rule_sets():
