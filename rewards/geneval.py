@@ -17,10 +17,15 @@ parsed into GenEval's metadata. Scores, all logged (``score`` picks the one opti
 tests/fixtures/reference/ocr_geneval.json holds the reward server's outputs.
 
 Detections pass GenEval's filters: confidence above ``threshold`` (``counting_threshold`` for
-counting prompts; 0.3 / 0.9 in GenEval, calibrated for Mask2Former's confidences; OWLv2's
-run lower, so calibrate them on images you trust), at most ``max_objects`` per class, and
-greedy suppression of boxes overlapping a kept one by IoU ``max_overlap`` or more (GenEval
-keeps all, 1.0; OWLv2 proposes several boxes per object, so 0.5 here).
+counting prompts), at most ``max_objects`` per class, and greedy suppression of boxes
+overlapping a kept one by IoU ``max_overlap`` or more (GenEval keeps all, 1.0; OWLv2
+proposes several boxes per object, so 0.5 here). GenEval's thresholds, 0.3 / 0.9, were set
+for Mask2Former; left unset, the thresholds follow the detector
+(:data:`rewards.geneval_models.DETECTOR_THRESHOLDS`): 0.1 / 0.1 for OWLv2 and OWL-ViT (the
+value of OWLv2's model card; 0.9 would fail most counting prompts), GenEval's for
+ShapeWorld (whose confidences are all 1); any other detector refuses to start until both
+are set. The OWL values are not calibrated on generated images: calibrate them on images
+you have counted before trusting the counting score.
 
 ``detector: shapeworld`` is the offline twin: the ShapeWorld pixel detector and palette
 colours under the same rules, for captions over circles, squares and triangles.
@@ -33,7 +38,14 @@ import torch
 from rewards import geneval_rules as rules
 from rewards.clip_common import ClipReward
 from rewards.errors import some_of
-from rewards.geneval_models import ClipColours, OwlDetector, ShapeWorldDetector, keep, known_colours
+from rewards.geneval_models import (
+    ClipColours,
+    OwlDetector,
+    ShapeWorldDetector,
+    detector_thresholds,
+    keep,
+    known_colours,
+)
 
 SCORES = {"partial": "geneval_partial", "strict": "geneval_strict", "geneval": "geneval_correct"}
 PARTIAL = {"flow_grpo": rules.FLOW_GRPO, "per_clause": rules.FLOW_GRPO_PER_CLAUSE}
@@ -49,7 +61,8 @@ class GenEval(ClipReward):
         clip: hub id or directory of the CLIPModel that names colours.
         score: ``partial``, ``strict`` or ``geneval`` (see the module docstring).
         partial: ``flow_grpo`` (the reference's partial credit) or ``per_clause``.
-        threshold, counting_threshold, max_objects, max_overlap: the detection filter.
+        threshold, counting_threshold, max_objects, max_overlap: the detection filter; None
+            thresholds take the detector's defaults (see the module docstring).
         position_threshold: GenEval's share of the box sizes discounted from offsets (0.1).
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
     """
@@ -65,8 +78,8 @@ class GenEval(ClipReward):
         clip: str | None = None,
         score: str = "partial",
         partial: str = "flow_grpo",
-        threshold: float = 0.3,
-        counting_threshold: float = 0.9,
+        threshold: float | None = None,
+        counting_threshold: float | None = None,
         max_objects: int = 16,
         max_overlap: float | None = None,
         position_threshold: float = 0.1,
@@ -79,11 +92,10 @@ class GenEval(ClipReward):
             raise ValueError(f"geneval: score must be one of {', '.join(SCORES)}, got {score!r}")
         if partial not in PARTIAL:
             raise ValueError(f"geneval: partial must be one of {', '.join(PARTIAL)}, got {partial!r}")
-        self.flow_rules = PARTIAL[partial]
-        if int(max_objects) < 1 or not 0 <= float(threshold) < 1 or not 0 <= float(counting_threshold) < 1:
+        given = (threshold, counting_threshold)
+        if int(max_objects) < 1 or any(t is not None and not 0 <= float(t) < 1 for t in given):
             raise ValueError("geneval: thresholds must be in [0, 1) and max_objects >= 1")
-        self.score, self.max_objects = score, int(max_objects)
-        self.thresholds = {"counting": float(counting_threshold), "other": float(threshold)}
+        self.score, self.flow_rules, self.max_objects = score, PARTIAL[partial], int(max_objects)
         self.holds = rules.box_relation(float(position_threshold))
         if detector == "shapeworld":
             from rewards.shapeworld.grammar import COLOURS, SHAPES
@@ -91,12 +103,16 @@ class GenEval(ClipReward):
             self.detector, self.colours, self._models = ShapeWorldDetector(), known_colours, []
             self.classes, self.colour_words = SHAPES, COLOURS
             self.max_overlap = 1.0 if max_overlap is None else float(max_overlap)
+            threshold, counting_threshold = detector_thresholds("shapeworld", *given)
         else:
             self.detector = OwlDetector(detector or self.default_detector, self.device, self.dtype)
+            # before CLIP loads: an unknown detector without thresholds stops here
+            threshold, counting_threshold = detector_thresholds(self.detector.model.config.model_type, *given)
             self.colours = ClipColours(clip or self.default_clip, self.device, self.dtype)
             self._models = [self.detector.model, self.colours.model]
             self.classes, self.colour_words = rules.COCO_CLASSES, rules.GENEVAL_COLOURS
             self.max_overlap = 0.5 if max_overlap is None else float(max_overlap)
+        self.thresholds = {"counting": counting_threshold, "other": threshold}
         self._freeze()
 
     def _modules(self):

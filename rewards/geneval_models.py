@@ -32,6 +32,37 @@ from rewards.images import to_uint8_hwc
 
 COLOUR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a photo of a {c} object")
 
+# (threshold, counting_threshold) each detector's confidences fit. GenEval's 0.3 / 0.9
+# (djghosh13/geneval@af4902f2, evaluation/evaluate_images.py; the same in reward-server's
+# gen_eval.py) were set for Mask2Former, whose confidences for real objects sit near 1;
+# OWL-ViT / OWLv2 sigmoid scores rarely pass 0.9 (OWLv2's model card and transformers'
+# post_process_grounded_object_detection use 0.1), so 0.9 would fail most counting
+# prompts. 0.1 serves both: no source gives OWLv2 a stricter counting value.
+# ShapeWorld detections all have confidence 1, so GenEval's values change nothing there.
+DETECTOR_THRESHOLDS = {"shapeworld": (0.3, 0.9), "owlv2": (0.1, 0.1), "owlvit": (0.1, 0.1)}
+
+
+class ThresholdsError(ValueError):
+    """A detector with no known confidence scale was given without explicit thresholds."""
+
+
+def detector_thresholds(kind: str, threshold: float | None, counting_threshold: float | None):
+    """The (threshold, counting_threshold) to use: explicit values win; otherwise the
+    detector kind's (:data:`DETECTOR_THRESHOLDS`), or one error for an unknown kind."""
+    if threshold is not None and counting_threshold is not None:
+        return float(threshold), float(counting_threshold)
+    if kind not in DETECTOR_THRESHOLDS:
+        raise ThresholdsError(
+            f"geneval: no default confidence thresholds for a '{kind}' detector (known: "
+            f"{', '.join(DETECTOR_THRESHOLDS)}); set both threshold and counting_threshold in the "
+            f"reward's args, calibrated on images whose objects you have counted."
+        )
+    default, counting = DETECTOR_THRESHOLDS[kind]
+    return (
+        default if threshold is None else float(threshold),
+        counting if counting_threshold is None else float(counting_threshold),
+    )
+
 
 def box_iou(a, b) -> float:
     """GenEval's ``compute_iou`` (integer-pixel boxes: a side spans ``x1 - x0 + 1``)."""

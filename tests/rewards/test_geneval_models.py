@@ -12,7 +12,15 @@ from diffrl.models import tiny
 from rewards import geneval_rules as rules
 from rewards.clip_common import MissingRewardWeightsError
 from rewards.geneval import GenEval
-from rewards.geneval_models import COLOUR_TEMPLATES, ClipColours, OwlDetector, crop
+from rewards.geneval_models import (
+    COLOUR_TEMPLATES,
+    DETECTOR_THRESHOLDS,
+    ClipColours,
+    OwlDetector,
+    ThresholdsError,
+    crop,
+    detector_thresholds,
+)
 from rewards.geneval_rules import Found
 
 # ----------------------------------------------------------------------------- OWLv2 + CLIP
@@ -160,6 +168,31 @@ def test_reward_with_models_is_batch_invariant_and_logs_clauses(checkpoints):
     single = [reward(x[i : i + 1], prompts[i : i + 1]) for i in range(4)]
     for key in out:
         torch.testing.assert_close(torch.cat([s[key] for s in single]), out[key])
+
+
+def test_owl_thresholds_default_to_the_ones_owlv2_is_documented_with(checkpoints):
+    import inspect
+
+    from transformers import Owlv2Processor
+
+    # OWLv2's model card and transformers' post-processing filter at 0.1, not GenEval's 0.3 / 0.9
+    documented = inspect.signature(Owlv2Processor.post_process_grounded_object_detection)
+    owl = documented.parameters["threshold"].default
+    reward = GenEval(detector=str(checkpoints / "owl"), clip=str(checkpoints / "clip"))
+    assert reward.thresholds == {"other": owl, "counting": owl}
+    one = GenEval(detector=str(checkpoints / "owl"), clip=str(checkpoints / "clip"), counting_threshold=0.4)
+    assert one.thresholds == {"other": owl, "counting": 0.4}  # an explicit value wins, the other defaults
+
+
+def test_an_unknown_detector_refuses_to_start_without_both_thresholds(checkpoints, monkeypatch):
+    with pytest.raises(ThresholdsError, match=r"'grounding-dino' detector.*set both threshold and"):
+        detector_thresholds("grounding-dino", 0.3, None)
+    assert detector_thresholds("grounding-dino", 0.3, 0.5) == (0.3, 0.5)
+    monkeypatch.delitem(DETECTOR_THRESHOLDS, "owlv2")  # as if the tiny OWLv2 were another detector
+    with pytest.raises(ThresholdsError, match="'owlv2' detector"):
+        GenEval(detector=str(checkpoints / "owl"))  # stops before CLIP (none given) is loaded
+    with pytest.raises(ThresholdsError):
+        rewards.build("geneval", detector=str(checkpoints / "owl"), threshold=0.2)
 
 
 def test_missing_weights_name_the_path_or_the_download(tmp_path, checkpoints):
