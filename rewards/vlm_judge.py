@@ -1,24 +1,28 @@
-"""VLM judge: a vision-language model answers a question about the image; the reward is
-the probability it gives to the good answer.
+"""VLM judge: a vision-language model answers a question about the image, and the reward
+is read from its answer (the modes and their references are in :mod:`rewards.vlm_answers`):
 
-Two readings of the first answer token's distribution, both from one forward pass (no
-sampling, so the score is deterministic and smooth in the model's belief):
+* ``mode: yes_no``: ``P(yes) / (P(yes) + P(no))`` of the first answer token (VQAScore,
+  Lin et al. 2024, arXiv:2404.01291), as Flow-Factory's ``vllm_evaluate`` reads a judge;
+* ``mode: score``: the expected digit of a ``low``-``high`` answer, normalised to [0, 1];
+* ``mode: text``: the judge writes its answer and a regex reads the score, as flow_grpo
+  reads UnifiedReward ("Final Score: x" / 5, "<Score>x</Score>" / 5) and verl-omni reads
+  UnifiedReward 2.0 (three axis scores, ``(mean - 1) / 4``); an answer that cannot be
+  parsed is an error, never a 0.
 
-* ``mode: yes_no``: ``P(yes) / (P(yes) + P(no))`` over the answer tokens, the VQAScore of
-  Lin et al. 2024 ("Evaluating Text-to-Visual Generation with Image-to-Text Generation",
-  arXiv:2404.01291, Eq. 1) renormalised to the two answers, as UnifiedReward-style and
-  Qwen-VL judges are read in flow-GRPO follow-ups;
-* ``mode: score``: the question asks for one digit from ``low`` to ``high``; the reward is
-  the expected digit ``sum_d d * p(d) / sum_d p(d)``, which moves with the model's belief
-  where the arg-max digit would only jump.
+The first two read one forward pass (no sampling: the score is deterministic and smooth
+in the model's belief); ``vlm_judge_answer_mass`` logs how much probability the allowed
+answers get at all: when it is small, the model is not answering in the asked format.
 
-``vlm_judge_answer_mass`` logs how much probability the allowed answers get at all: when
-it is small, the model is not answering in the asked format and the score is noise.
+Two backends, chosen by ``backend``:
 
-The model is any transformers image-text-to-text checkpoint with a chat template
-(Qwen2.5-VL by default), loaded with ``AutoModelForImageTextToText`` and ``AutoProcessor``
-from a hub id or a ``save_pretrained`` directory. The question is the config's
-``template`` with ``{prompt}`` replaced by the image's prompt.
+* ``transformers`` (default): any image-text-to-text checkpoint with a chat template
+  (Qwen2.5-VL by default), loaded in process with ``AutoModelForImageTextToText`` and
+  ``AutoProcessor`` from a hub id or a ``save_pretrained`` directory;
+* ``openai``: a judge served by vLLM, SGLang or any OpenAI-compatible server
+  (:mod:`rewards.vlm_openai`), one request per image, scored while the rollout runs.
+
+The question is the config's ``template`` with ``{prompt}`` (and ``{low}``, ``{high}``)
+filled in.
 """
 
 from __future__ import annotations
@@ -30,22 +34,26 @@ from PIL import Image
 
 from rewards.clip_common import ClipReward, hf_pretrained, to_model
 from rewards.images import to_uint8_hwc
+from rewards.vlm_answers import AnswerFormat, check_max_tokens, check_template, question
+from rewards.vlm_openai import OpenAIVLMJudge
 
-DEFAULT_TEMPLATE = 'Does this image show "{prompt}"? Answer Yes or No.'
-MODES = ("yes_no", "score")
+BACKENDS = ("transformers", "openai")
 
 
-class VLMJudge(ClipReward):
-    """``reward(images, prompts) -> {"vlm_judge": score, "vlm_judge_answer_mass": mass}``.
+class TransformersVLMJudge(ClipReward):
+    """``reward(images, prompts) -> {"vlm_judge": score in [0, 1], ...}`` in process.
 
     Args:
         pretrained: hub id or directory of the VLM (``AutoModelForImageTextToText``).
         processor: its processor (with the chat template); None uses ``pretrained``.
-        template: the question, with ``{prompt}`` where the image's prompt goes.
-        mode: ``yes_no`` (score in [0, 1]) or ``score`` (expected digit in [low, high]).
+        template: the question, with ``{prompt}`` where the image's prompt goes; None
+            asks the mode's default question.
+        mode: ``yes_no``, ``score`` or ``text``.
         yes, no: answer strings for ``yes_no``, each one token of the model's tokenizer
             (several strings are summed, e.g. ``yes: [Yes, yes]``).
-        low, high: the digit range for ``score`` (single digits, 0-9).
+        low, high: the scale (single digits 0-9 for ``score``).
+        pattern: ``text`` mode's regex or preset (``final_score``, ``score_tag``, ``axes``).
+        max_tokens: ``text`` mode's answer budget (greedy ``generate``), 512 by default.
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
     """
 
@@ -57,12 +65,14 @@ class VLMJudge(ClipReward):
         self,
         pretrained: str | None = None,
         processor: str | None = None,
-        template: str = DEFAULT_TEMPLATE,
+        template: str | None = None,
         mode: str = "yes_no",
         yes=("Yes",),
         no=("No",),
         low: int = 1,
         high: int = 5,
+        pattern: str | None = None,
+        max_tokens: int | None = None,
         device=None,
         dtype="float32",
         batch_size: int = 8,
@@ -70,7 +80,9 @@ class VLMJudge(ClipReward):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        self.template, self.mode = check_template(template), check_mode(mode)
+        self.format = AnswerFormat.from_args(mode, yes, no, low, high, pattern)
+        self.template, self.mode = check_template(template, mode), mode
+        self.max_tokens = check_max_tokens(max_tokens, mode)
         pretrained = pretrained or self.default_pretrained
         self.model = hf_pretrained(
             self.name, AutoModelForImageTextToText, pretrained, output_loading_info=True
@@ -79,12 +91,7 @@ class VLMJudge(ClipReward):
         self.processor.tokenizer.padding_side = "left"  # the answer slot is the last position of every row
         if not getattr(self.processor, "chat_template", None):
             raise ValueError(f"vlm_judge: the processor of '{processor or pretrained}' has no chat template")
-        if mode == "yes_no":
-            self.positive = answer_ids(self.processor.tokenizer, _strings(yes), "yes")
-            self.negative = answer_ids(self.processor.tokenizer, _strings(no), "no")
-        else:
-            self.digits = digit_range(low, high)
-            self.digit_ids = answer_ids(self.processor.tokenizer, [str(d) for d in self.digits], "digit")
+        self.answer_ids = answer_ids(self.processor.tokenizer, list(self.format.answers), mode)
         self._keeps_last_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._freeze()
 
@@ -95,8 +102,8 @@ class VLMJudge(ClipReward):
         """The chat-formatted text of each question, ready for the answer's first token."""
         texts = []
         for prompt in prompts:
-            question = self.template.replace("{prompt}", prompt)
-            message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+            text = question(self.template, prompt, self.format.low, self.format.high)
+            message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
             texts.append(
                 self.processor.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
             )
@@ -114,54 +121,73 @@ class VLMJudge(ClipReward):
         logits = self.model(**self.inputs(pixels, prompts), **extra).logits[:, -1]
         return torch.log_softmax(logits.float(), dim=-1)
 
+    @torch.no_grad()
+    def answer_texts(self, pixels: torch.Tensor, prompts: list[str]) -> tuple[list[str], list[bool]]:
+        """Greedy answers (and whether each was cut at ``max_tokens``)."""
+        inputs = self.inputs(pixels, prompts)
+        out = self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False)
+        new = out[:, inputs["input_ids"].shape[1] :]
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        truncated = [new.shape[1] >= self.max_tokens and not eos & set(row.tolist()) for row in new]
+        return self.processor.batch_decode(new, skip_special_tokens=True), truncated
+
     def _score(self, pixels, prompts):
+        if self.mode == "text":
+            texts, truncated = self.answer_texts(pixels, prompts)
+            return self.format.read_texts(texts, truncated)
         probs = self.answer_logprobs(pixels, prompts).exp()
-        if self.mode == "yes_no":
-            p_yes, p_no = probs[:, self.positive].sum(-1), probs[:, self.negative].sum(-1)
-            mass = p_yes + p_no
-            score = p_yes / mass.clamp_min(torch.finfo(mass.dtype).tiny)
-        else:
-            p = probs[:, self.digit_ids]
-            mass = p.sum(-1)
-            digits = torch.tensor(self.digits, dtype=p.dtype, device=p.device)
-            score = (p * digits).sum(-1) / mass.clamp_min(torch.finfo(mass.dtype).tiny)
-        return {self.name: score, "vlm_judge_answer_mass": mass}
+        return self.format.read_probs(probs[:, self.answer_ids])
 
 
-def check_template(template: str) -> str:
-    if "{prompt}" not in str(template):
-        raise ValueError(
-            f"vlm_judge: template must contain '{{prompt}}' where the image's prompt goes, got {template!r}"
-        )
-    return str(template)
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"vlm_judge: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
-
-
-def digit_range(low: int, high: int) -> list[int]:
-    if not 0 <= int(low) < int(high) <= 9:
-        raise ValueError(f"vlm_judge: score mode needs single digits 0 <= low < high <= 9, got {low}..{high}")
-    return list(range(int(low), int(high) + 1))
-
-
-def _strings(value) -> list[str]:
-    return [value] if isinstance(value, str) else [str(v) for v in value]
-
-
-def answer_ids(tokenizer, answers: list[str], what: str) -> list[int]:
+def answer_ids(tokenizer, answers: list[str], mode: str) -> list[int]:
     """The token id of each answer string; an answer the tokenizer splits is an error (its
     first piece alone would be scored, e.g. "Ye" for "Yes")."""
     ids = []
     for answer in answers:
         pieces = tokenizer.encode(answer, add_special_tokens=False)
         if len(pieces) != 1:
+            what = "digit" if mode == "score" else "yes/no answer"
             raise ValueError(
-                f"vlm_judge: {what} answer {answer!r} is {len(pieces)} tokens for this tokenizer; "
+                f"vlm_judge: {what} {answer!r} is {len(pieces)} tokens for this tokenizer; "
                 f"use answers that are one token each (e.g. 'Yes' / 'No' for Qwen2.5-VL)"
             )
         ids.append(pieces[0])
     return ids
+
+
+def VLMJudge(backend: str = "transformers", **args):  # a factory under the name the registry uses
+    """The ``vlm_judge`` reward: :class:`TransformersVLMJudge` (``backend: transformers``)
+    or :class:`~rewards.vlm_openai.OpenAIVLMJudge` (``backend: openai``). An argument of
+    the other backend is one error naming the backend it belongs to."""
+    if backend not in BACKENDS:
+        raise ValueError(f"vlm_judge: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    cls = TransformersVLMJudge if backend == "transformers" else OpenAIVLMJudge
+    unknown = [k for k in args if k not in VLMJudge.__signature__.parameters]
+    if unknown:
+        raise ValueError(f"vlm_judge has no argument {unknown[0]!r}; its arguments: {_names()}")
+    foreign = [k for k in args if k not in inspect.signature(cls).parameters]
+    if foreign:
+        other = BACKENDS[1 - BACKENDS.index(backend)]
+        raise ValueError(
+            f"vlm_judge: {', '.join(foreign)} belong{'s' if len(foreign) == 1 else ''} to backend '{other}', "
+            f"not '{backend}'; set backend: {other}, or drop {'it' if len(foreign) == 1 else 'them'}"
+        )
+    return cls(**args)
+
+
+def _signature() -> inspect.Signature:
+    """Both backends' arguments, so the registry names them all (and catches typos) before
+    anything is built."""
+    params = {"backend": inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default="transformers")}
+    for cls in (TransformersVLMJudge, OpenAIVLMJudge):
+        for name, p in inspect.signature(cls).parameters.items():
+            params.setdefault(name, p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+    return inspect.Signature(list(params.values()))
+
+
+def _names() -> str:
+    return ", ".join(VLMJudge.__signature__.parameters)
+
+
+VLMJudge.__signature__ = _signature()

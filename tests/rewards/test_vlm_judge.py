@@ -1,5 +1,6 @@
-"""The ``vlm_judge`` reward over a tiny Qwen2.5-VL written as the real checkpoint is (a
-``save_pretrained`` directory with a ``Qwen2VLProcessor`` and its chat template).
+"""The ``vlm_judge`` reward (transformers backend) over a tiny Qwen2.5-VL written as the
+real checkpoint is (a ``save_pretrained`` directory with a ``Qwen2VLProcessor`` and its
+chat template). The openai backend is tested in test_vlm_openai.py.
 
 The reference is a second code path: the first-token scores of ``model.generate``, whose
 cache and M-RoPE position bookkeeping differ from the reward's single forward.
@@ -17,7 +18,8 @@ from diffrl.models.qwenimage import tiny_text_encoder_config
 from diffrl.models.qwenimage_edit import QWEN_VL_IMAGE_PROCESSOR
 from rewards.clip_common import MissingRewardWeightsError
 from rewards.images import to_uint8_hwc
-from rewards.vlm_judge import VLMJudge
+from rewards.vlm_answers import VLMAnswerError
+from rewards.vlm_judge import TransformersVLMJudge, VLMJudge
 
 # Qwen2.5-VL's chat layout, reduced to what a one-image user turn needs
 CHAT_TEMPLATE = (
@@ -96,18 +98,38 @@ def test_yes_no_is_p_yes_over_p_yes_plus_p_no_by_generate(judge):
     assert ((out["vlm_judge"] > 0) & (out["vlm_judge"] < 1)).all()
 
 
-def test_score_mode_is_the_expected_digit(checkpoint):
-    judge = VLMJudge(
-        pretrained=str(checkpoint), mode="score", template="Rate {prompt} from 1 to 5.", low=1, high=5
-    )
+def test_score_mode_is_the_expected_digit_normalised_to_0_1(checkpoint):
+    template = "Rate {prompt} from {low} to {high}."
+    judge = VLMJudge(pretrained=str(checkpoint), mode="score", template=template, low=1, high=5)
+    assert isinstance(judge, TransformersVLMJudge)
     x = images(seed=1)
     out = judge(x, PROMPTS)
     probs = first_token_probs_by_generate(judge, x, PROMPTS)
     ids = judge.processor.tokenizer.convert_tokens_to_ids([str(d) for d in range(1, 6)])
     p = probs[:, ids]
     expected = (p * torch.arange(1, 6)).sum(-1) / p.sum(-1)
-    torch.testing.assert_close(out["vlm_judge"], expected, atol=1e-5, rtol=1e-4)
-    assert ((out["vlm_judge"] >= 1) & (out["vlm_judge"] <= 5)).all()
+    torch.testing.assert_close(out["vlm_judge_raw"], expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out["vlm_judge"], (expected - 1) / 4, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out["vlm_judge_answer_mass"], p.sum(-1), atol=1e-6, rtol=1e-4)
+    assert ((out["vlm_judge"] >= 0) & (out["vlm_judge"] <= 1)).all()
+    assert "Rate a cat from 1 to 5." in judge.questions(["a cat"])[0]
+
+
+def test_text_mode_parses_greedy_answers_and_quotes_one_it_cannot_parse(checkpoint):
+    """The tiny model writes noise: the error quotes ``generate``'s own greedy answer for the
+    first image and, as that answer ran to max_tokens, says to raise it."""
+    judge = VLMJudge(pretrained=str(checkpoint), mode="text", max_tokens=4, batch_size=2)
+    x = images(2, seed=2)
+    texts, cut = judge.answer_texts(x, PROMPTS[:2])
+    inputs = judge.inputs(x[:1], PROMPTS[:1])
+    alone = judge.model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    alone = alone[:, inputs["input_ids"].shape[1] :]
+    assert texts[0] == judge.processor.batch_decode(alone, skip_special_tokens=True)[0]
+    assert cut == [True, True]
+    shown = " ".join(texts[0].split())
+    with pytest.raises(VLMAnswerError, match=re.escape("answer 0 does not match pattern")) as err:
+        judge(x, PROMPTS[:2])
+    assert repr(shown) in str(err.value) and "cut at max_tokens, raise max_tokens" in str(err.value)
 
 
 def test_left_padding_and_batching_do_not_change_scores(checkpoint, judge):
@@ -131,9 +153,10 @@ def test_template_goes_into_the_question(judge):
     "args, message",
     [
         ({"template": "Is this good?"}, "template must contain '{prompt}'"),
-        ({"mode": "likert"}, "mode must be one of yes_no, score"),
+        ({"mode": "likert"}, "mode must be one of yes_no, score, text"),
         ({"mode": "score", "low": 1, "high": 10}, "single digits"),
-        ({"yes": ["Yessir"]}, "yes answer 'Yessir' is"),
+        ({"yes": ["Yessir"]}, "yes/no answer 'Yessir' is 3 tokens"),
+        ({"mode": "text", "max_tokens": 1}, "max_tokens must be >= 2"),
     ],
 )
 def test_bad_arguments_are_one_clear_error(checkpoint, args, message):
