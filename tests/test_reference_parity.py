@@ -478,3 +478,112 @@ def test_geneval_scores_match_flow_grpos_reward_server(case):
     extra = sum(bool(c.get("extra")) for c in flow.clauses)
     n = len(per_clause.clauses)
     assert per_clause.credit == pytest.approx((case["score"] * (n + extra) - extra) / n, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------- VLM judges
+
+VLM = load("vlm_judge.json")
+
+
+def _vlm_format(mode="text", pattern=None, yes=("Yes",), no=("No",)):
+    from rewards.vlm_answers import AnswerFormat
+
+    return AnswerFormat.from_args(mode, yes, no, 1, 5, pattern)
+
+
+@pytest.mark.parametrize("i", range(len(VLM["flow_grpo_final_score"]["answers"])))
+def test_final_score_parsing_matches_flow_grpo_up_to_its_scale(i):
+    """flow_grpo's UnifiedReward reward is x / 5; ours (x - 1) / 4 of the same x. Where
+    flow_grpo returns 0 (no match) we raise; "Final Score: 10" is 1 to its [1-5] regex and
+    out of range to ours."""
+    from rewards.vlm_answers import VLMAnswerError
+
+    case = VLM["flow_grpo_final_score"]
+    answer, extracted, reward = case["answers"][i], case["extracted"][i], case["reward"][i]
+    if reward == 0.0 or "10" in answer:
+        with pytest.raises(VLMAnswerError, match="does not match pattern|outside the scale"):
+            _vlm_format(pattern="final_score").parse(answer)
+        return
+    raw = _vlm_format(pattern="final_score").parse(answer)
+    assert raw == pytest.approx(extracted) and raw / 5 == pytest.approx(reward)
+    out = _vlm_format(pattern="final_score").read_texts([answer])
+    assert out["vlm_judge"].item() == pytest.approx((extracted - 1) / 4)
+
+
+@pytest.mark.parametrize("i", range(len(VLM["flow_grpo_score_tag"]["answers"])))
+def test_score_tag_parsing_matches_flow_grpo(i):
+    """flow_grpo's <Score> regex takes integers only ("4.5" scores 0 there); ours reads it."""
+    from rewards.vlm_answers import VLMAnswerError
+
+    answer, reward = VLM["flow_grpo_score_tag"]["answers"][i], VLM["flow_grpo_score_tag"]["reward"][i]
+    if "4.5" in answer:
+        assert reward == 0 and _vlm_format(pattern="score_tag").parse(answer) == 4.5
+    elif reward == 0:
+        with pytest.raises(VLMAnswerError, match="does not match pattern"):
+            _vlm_format(pattern="score_tag").parse(answer)
+    else:
+        assert _vlm_format(pattern="score_tag").parse(answer) / 5 == pytest.approx(reward)
+
+
+@pytest.mark.parametrize("i", range(len(VLM["verl_omni_axes"]["answers"])))
+def test_axis_scores_match_verl_omni(i):
+    """verl-omni's (mean - 1) / 4 over the last score per axis; where it falls back to any
+    three numbers, clips an out-of-range mean, or returns 0, we raise."""
+    from rewards.vlm_answers import VLMAnswerError
+
+    case = VLM["verl_omni_axes"]
+    answer, parsed, (normalized, raw) = case["answers"][i], case["parsed"][i], case["normalized_raw"][i]
+    if not parsed or "score" not in answer.lower() or not all(1 <= v <= 5 for v in parsed.values()):
+        with pytest.raises(VLMAnswerError, match="does not match pattern|outside the scale"):
+            _vlm_format(pattern="axes").parse(answer)
+        return
+    out = _vlm_format(pattern="axes").read_texts([answer])
+    assert out["vlm_judge_raw"].item() == pytest.approx(raw, rel=1e-6)
+    assert out["vlm_judge"].item() == pytest.approx(normalized, rel=1e-6)
+
+
+@pytest.mark.parametrize("canonicalize", [False, True])
+def test_yes_probability_from_top_logprobs_matches_flow_factory(canonicalize):
+    """Flow-Factory's P(Yes) / (P(Yes) + P(No)) from a server's top logprobs (canonicalize:
+    every case and spacing of yes / no, which our yes / no lists spell out); where neither
+    answer is listed it returns 0 and we raise."""
+    from rewards.vlm_openai import answer_probs
+
+    case = VLM["flow_factory_yes_prob"]
+    yes = ["Yes", "yes", " yes", " Yes", "YES"] if canonicalize else ["Yes"]
+    no = ["No", "no", " no", " No", "NO"] if canonicalize else ["No"]
+    fmt = _vlm_format("yes_no", yes=yes, no=no)
+    expected = case["reward_canonicalize" if canonicalize else "reward"]
+    for top, reference in zip(case["top_logprobs"], expected, strict=True):
+        probs = answer_probs([{"token": t, "logprob": lp} for t, lp in top], fmt.answers)
+        if not any(probs):
+            assert reference == 0.0  # the openai backend raises VLMAnswerError here
+            continue
+        score = fmt.read_probs(torch.tensor([probs], dtype=torch.float64))["vlm_judge"].item()
+        assert score == pytest.approx(reference, rel=1e-9, abs=1e-12)
+
+
+def test_geneval_colour_crops_match_genevals_image_crops_inside_the_image():
+    from rewards.geneval_models import colour_crop
+    from rewards.geneval_rules import Found
+
+    fix = OCR_GENEVAL["geneval_crops"]
+    image = torch.tensor(fix["image"], dtype=torch.float32).permute(2, 0, 1) / 255
+    mask = torch.tensor(fix["mask"])
+    h, w = mask.shape
+    for box, masked, plain in zip(fix["boxes"], fix["masked_crops"], fix["box_crops"]):
+        for ref, ours in (
+            (masked, colour_crop(image, Found(tuple(box[:4]), mask=mask))),
+            (plain, colour_crop(image, Found(tuple(box[:4])))),
+        ):
+            ref = torch.tensor(ref, dtype=torch.float32).permute(2, 0, 1)
+            ours = (ours * 255).round()
+            # PIL pads a box reaching past the image with black; we clip it (rewards/geneval_models.py)
+            top, left = max(0, -round(box[1])), max(0, -round(box[0]))
+            inside = ref[:, top : top + ours.shape[1], left : left + ours.shape[2]]
+            torch.testing.assert_close(ours, inside, atol=0, rtol=0)
+            outside = ref.clone()
+            outside[:, top : top + ours.shape[1], left : left + ours.shape[2]] = 0
+            assert outside.eq(0).all()
+            reaches_out = box[0] < 0 or box[1] < 0 or box[2] > w or box[3] > h
+            assert (ours.shape == ref.shape) != reaches_out
