@@ -28,7 +28,9 @@ are set. The OWL values are not calibrated on generated images: calibrate them o
 you have counted before trusting the counting score.
 
 ``detector: shapeworld`` is the offline twin: the ShapeWorld pixel detector and palette
-colours under the same rules, for captions over circles, squares and triangles.
+colours under the same rules, for captions over circles, squares and triangles; given a
+``clip``, CLIP names the twin's colours on GenEval's masked crops (``mask_crops``), which
+isolates the colour step (:mod:`rewards.geneval_models` documents the crops).
 """
 
 from __future__ import annotations
@@ -58,12 +60,16 @@ class GenEval(ClipReward):
 
     Args:
         detector: hub id or directory of a transformers zero-shot detector, or ``shapeworld``.
-        clip: hub id or directory of the CLIPModel that names colours.
+        clip: hub id or directory of the CLIPModel that names colours; with ``shapeworld``
+            optional (the palette names them when None).
         score: ``partial``, ``strict`` or ``geneval`` (see the module docstring).
         partial: ``flow_grpo`` (the reference's partial credit) or ``per_clause``.
         threshold, counting_threshold, max_objects, max_overlap: the detection filter; None
             thresholds take the detector's defaults (see the module docstring).
         position_threshold: GenEval's share of the box sizes discounted from offsets (0.1).
+        mask_crops: CLIP sees a detection's mask composited onto GenEval's #999 grey, as in
+            GenEval; only segmenting detectors give masks (the ShapeWorld twin, not OWLv2,
+            whose box crops keep their background). False classifies raw box crops.
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
     """
 
@@ -83,6 +89,7 @@ class GenEval(ClipReward):
         max_objects: int = 16,
         max_overlap: float | None = None,
         position_threshold: float = 0.1,
+        mask_crops: bool = True,
         device=None,
         dtype="float32",
         batch_size: int = 8,
@@ -100,15 +107,18 @@ class GenEval(ClipReward):
         if detector == "shapeworld":
             from rewards.shapeworld.grammar import COLOURS, SHAPES
 
-            self.detector, self.colours, self._models = ShapeWorldDetector(), known_colours, []
-            self.classes, self.colour_words = SHAPES, COLOURS
+            self.detector, self.classes, self.colour_words = ShapeWorldDetector(), SHAPES, COLOURS
+            self.colours, self._models = known_colours, []  # the palette names colours exactly
+            if clip is not None:  # CLIP on the twin's crops instead: measures the colour step
+                self.colours = ClipColours(clip, self.device, self.dtype, COLOURS, mask_crops)
+                self._models = [self.colours.model]
             self.max_overlap = 1.0 if max_overlap is None else float(max_overlap)
             threshold, counting_threshold = detector_thresholds("shapeworld", *given)
         else:
             self.detector = OwlDetector(detector or self.default_detector, self.device, self.dtype)
             # before CLIP loads: an unknown detector without thresholds stops here
             threshold, counting_threshold = detector_thresholds(self.detector.model.config.model_type, *given)
-            self.colours = ClipColours(clip or self.default_clip, self.device, self.dtype)
+            self.colours = ClipColours(clip or self.default_clip, self.device, self.dtype, masks=mask_crops)
             self._models = [self.detector.model, self.colours.model]
             self.classes, self.colour_words = rules.COCO_CLASSES, rules.GENEVAL_COLOURS
             self.max_overlap = 0.5 if max_overlap is None else float(max_overlap)

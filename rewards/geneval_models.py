@@ -7,6 +7,17 @@ arXiv:2306.09683), queried with the classes the caption names, and the colour cl
 a transformers ``CLIPModel`` (``openai/clip-vit-large-patch14``, the weights open_clip's
 ``ViT-L-14``/``openai`` loads) with GenEval's three colour templates averaged as
 clip_benchmark's zero-shot classifier does.
+
+Colour crops (GenEval's ``ImageCrops``; djghosh13/geneval@af4902f2
+``evaluation/evaluate_images.py``, the same in yifan123/reward-server@92ac29fb
+``reward_server/gen_eval.py``): GenEval composites Mask2Former's mask onto #999 grey and
+then crops the box, so only the object's pixels carry colour. A detection with a ``mask``
+(the ShapeWorld twin) is cropped that way here too; OWLv2 gives boxes only, so its crops
+keep the background and any neighbour inside the box, which then enter the colour vote
+(docs/BENCHMARKS.md measures how much on the twin). Boxes reaching past the image: PIL's
+crop in GenEval pads them with black, which a colour vote can read as "black"; we clip them
+to the image (OWLv2's boxes live in its padded square and often reach past the shorter
+side, where the reference's padding would be black).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from rewards.clip_common import (
 )
 from rewards.geneval_rules import Found
 from rewards.images import to_uint8_hwc
+from rewards.shapeworld.render import BACKGROUND, PALETTE
 
 COLOUR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a photo of a {c} object")
 
@@ -127,18 +139,35 @@ class OwlDetector:
         return out
 
 
+# GenEval's crop background: ImageCrops composites the mask onto Image.new(color="#999")
+GENEVAL_GREY = 0x99 / 255
+
+
+def colour_crop(image: torch.Tensor, found: Found, use_mask: bool = True) -> torch.Tensor:
+    """What GenEval's colour classifier sees of one detection: with a mask (and
+    ``use_mask``), the object composited onto #999 grey, then the box crop; without one,
+    the raw box crop, background included."""
+    if use_mask and found.mask is not None:
+        mask = torch.as_tensor(found.mask, device=image.device)
+        if tuple(mask.shape) != tuple(image.shape[-2:]):
+            raise ValueError(f"geneval: mask {tuple(mask.shape)} does not cover image {tuple(image.shape)}")
+        image = torch.where(mask.bool(), image, torch.full_like(image, GENEVAL_GREY))
+    return crop(image, found.box)
+
+
 class ClipColours:
-    """GenEval's colour classifier: CLIP zero-shot over its colour words on each box's crop,
+    """GenEval's colour classifier: CLIP zero-shot over its colour words on each detection's
+    crop (:func:`colour_crop`; ``masks=False`` ignores masks and classifies the raw box),
     with the three templates' normalised text embeddings averaged per colour."""
 
-    def __init__(self, pretrained: str, device, dtype, colours=rules.GENEVAL_COLOURS):
+    def __init__(self, pretrained: str, device, dtype, colours=rules.GENEVAL_COLOURS, masks: bool = True):
         from transformers import AutoTokenizer, CLIPModel
 
         self.model = hf_pretrained("geneval", CLIPModel, pretrained, arg="clip", output_loading_info=True)
         self.tokenizer = hf_pretrained("geneval", AutoTokenizer, pretrained, arg="clip")
         self.image_size = image_size_of(self.model.config.vision_config.image_size)
         self.max_length = hf_text_max_length(self.tokenizer, self.model)
-        self.device, self.dtype, self.colours = device, dtype, tuple(colours)
+        self.device, self.dtype, self.colours, self.masks = device, dtype, tuple(colours), bool(masks)
         self._classifiers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -162,7 +191,7 @@ class ClipColours:
     def __call__(self, image: torch.Tensor, found: list[Found], cls: str) -> list[str]:
         if not found:
             return []
-        crops = [self.preprocess(crop(image, f.box)) for f in found]
+        crops = [self.preprocess(colour_crop(image, f, self.masks)) for f in found]
         embeds = F.normalize(hf_image_embeds(self.model, torch.cat(crops).to(self.dtype)).float(), dim=-1)
         return [self.colours[i] for i in (embeds @ self.classifier(cls).T).argmax(-1).tolist()]
 
@@ -171,7 +200,8 @@ class ClipColours:
 
 
 def crop(image: torch.Tensor, box) -> torch.Tensor:
-    """``PIL.Image.crop(box)`` on a (3, H, W) tensor: rounded corners, at least one pixel."""
+    """``PIL.Image.crop(box)`` on a (3, H, W) tensor (rounded corners, at least one pixel),
+    except that a box reaching past the image is clipped to it where PIL pads black."""
     h, w = image.shape[-2:]
     x0, y0 = min(max(round(box[0]), 0), w - 1), min(max(round(box[1]), 0), h - 1)
     x1, y1 = max(min(round(box[2]), w), x0 + 1), max(min(round(box[3]), h), y0 + 1)
@@ -181,19 +211,37 @@ def crop(image: torch.Tensor, box) -> torch.Tensor:
 class ShapeWorldDetector:
     """The ShapeWorld pixel detector (:func:`rewards.shapeworld.verifier.detect`) as a GenEval
     detector: classes are shapes, every detection has confidence 1 and its palette colour,
-    and boxes are pixel extents (exclusive right/bottom edges, as continuous boxes)."""
+    boxes are pixel extents (exclusive right/bottom edges, as continuous boxes), and, as
+    Mask2Former gives GenEval, a mask: the pixels of its colour inside its box (the
+    object itself, plus any same-coloured pixels of a neighbour whose box overlaps)."""
 
     def __call__(self, pixels: torch.Tensor, classes: list[str]) -> list[dict[str, list[Found]]]:
         from rewards.shapeworld.verifier import detect
 
+        pixels = pixels.float().cpu()
         out = []
-        for detections in detect(pixels.float().cpu()):
+        for image, detections in zip(pixels, detect(pixels)):
+            labels = palette_labels(image)
             per_class: dict[str, list[Found]] = {}
             for d in detections:
                 x0, y0, x1, y1 = d.box
-                per_class.setdefault(d.shape, []).append(Found((x0, y0, x1 + 1, y1 + 1), 1.0, d.colour))
+                mask = torch.zeros_like(labels, dtype=torch.bool)
+                inside = labels[y0 : y1 + 1, x0 : x1 + 1]
+                mask[y0 : y1 + 1, x0 : x1 + 1] = inside == list(PALETTE).index(d.colour)
+                found = Found((x0, y0, x1 + 1, y1 + 1), 1.0, d.colour, mask)
+                per_class.setdefault(d.shape, []).append(found)
             out.append(per_class)
         return out
+
+
+def palette_labels(image: torch.Tensor, fg_threshold: float = 0.3) -> torch.Tensor:
+    """(H, W) index of each pixel's nearest ShapeWorld palette colour, -1 on the white
+    background: the labelling :func:`rewards.shapeworld.verifier.detect` segments."""
+    palette = torch.tensor(list(PALETTE.values()), dtype=torch.float32) / 255
+    background = torch.tensor(BACKGROUND, dtype=torch.float32).view(3, 1, 1) / 255
+    foreground = (image - background).abs().amax(0) > fg_threshold
+    nearest = ((image.permute(1, 2, 0)[..., None, :] - palette) ** 2).sum(-1).argmin(-1)
+    return torch.where(foreground, nearest, -1)
 
 
 def known_colours(image: torch.Tensor, found: list[Found], cls: str) -> list[str]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 POSITIONS = ("left of", "right of", "above", "below")
 
@@ -79,12 +80,15 @@ class Task:
 
 @dataclass(frozen=True)
 class Found:
-    """One detection: ``box`` (x0, y0, x1, y1) in pixels, its confidence, and its colour
-    when the detector knows it (ShapeWorld); None leaves colour to a classifier."""
+    """One detection: ``box`` (x0, y0, x1, y1) in pixels, its confidence, its colour when the
+    detector knows it (ShapeWorld; None leaves colour to a classifier), and its ``mask``, a
+    (H, W) bool tensor over the whole image when the detector segments (Mask2Former in
+    GenEval, the ShapeWorld twin here; OWLv2 gives boxes only)."""
 
     box: tuple[float, float, float, float]
     score: float = 1.0
     colour: str | None = None
+    mask: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,19 @@ def test_per_clause_partial_gives_a_failed_relation_one_clause():
         rewards.build("geneval", detector="shapeworld", partial="reference")
 
 
+def test_shapeworld_detections_carry_the_drawn_objects_masks():
+    from rewards.geneval_models import ShapeWorldDetector
+    from rewards.shapeworld.render import shape_mask
+
+    objects = [Placed("red", "triangle", 4, 6, 20), Placed("blue", "circle", 34, 30, 24)]
+    found = ShapeWorldDetector()(scene(*objects), ["triangle", "circle"])[0]
+    for o in objects:
+        (f,) = found[o.shape]
+        drawn = np.zeros((64, 64), dtype=bool)
+        drawn[o.y : o.y + o.size, o.x : o.x + o.size] = shape_mask(o.shape, o.size)
+        assert np.array_equal(f.mask.numpy(), drawn) and f.colour == o.colour
+
+
 def test_each_box_is_coloured_once_for_both_rule_sets():
     reward = GenEval(detector="shapeworld")
     asked = []

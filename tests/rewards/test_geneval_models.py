@@ -3,6 +3,7 @@ formats: OWLv2 candidates and CLIP colours against by-hand decodes, and the whol
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from rewards.geneval_models import (
     ClipColours,
     OwlDetector,
     ThresholdsError,
+    colour_crop,
     crop,
     detector_thresholds,
 )
@@ -138,6 +140,61 @@ def test_colours_are_clip_zero_shot_with_averaged_templates(checkpoints):
         )
     assert got == expected
     assert crop(image, (30.4, 30.6, 31.0, 31.2)).shape == (3, 1, 1)
+
+
+def _pil_crop(image: torch.Tensor, box, mask=None) -> torch.Tensor:
+    """GenEval's ImageCrops in PIL: the mask composited onto #999, then crop (clipped box)."""
+    from PIL import Image
+
+    from rewards.images import to_uint8_hwc
+
+    pil = Image.fromarray(to_uint8_hwc(image[None])[0])
+    if mask is not None:
+        pil = Image.composite(pil, Image.new("RGB", pil.size, color="#999"), Image.fromarray(mask.numpy()))
+    h, w = image.shape[-2:]
+    x0, y0 = max(round(box[0]), 0), max(round(box[1]), 0)
+    x1, y1 = min(round(box[2]), w), min(round(box[3]), h)
+    return torch.tensor(np.asarray(pil.crop((x0, y0, x1, y1)))).permute(2, 0, 1).float() / 255
+
+
+def _record_crops(colours: ClipColours) -> list:
+    """The crops ``colours`` classifies, in order (before CLIP's resize and normalisation)."""
+    seen, preprocess = [], colours.preprocess
+    colours.preprocess = lambda pixels: seen.append(pixels) or preprocess(pixels)
+    return seen
+
+
+def test_clip_sees_genevals_masked_crop_when_a_detection_has_a_mask(checkpoints):
+    image = (torch.rand(3, 48, 48, generator=torch.Generator().manual_seed(4)) * 255).round() / 255
+    mask = torch.zeros(48, 48, dtype=torch.bool)
+    mask[10:30, 12:40] = True
+    found = [Found((8.0, 6.0, 44.0, 35.0), mask=mask), Found((0, 0, 20, 20))]  # with and without a mask
+    for masks in (True, False):
+        colours = ClipColours(str(checkpoints / "clip"), torch.device("cpu"), torch.float32, masks=masks)
+        seen = _record_crops(colours)
+        colours(image, found, "dog")
+        expected = [_pil_crop(image, found[0].box, mask if masks else None), _pil_crop(image, found[1].box)]
+        assert len(seen) == 2
+        for got, want in zip(seen, expected):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="does not cover image"):
+        colour_crop(image, Found((0, 0, 4, 4), mask=mask[:10]))
+
+
+def test_shapeworld_twin_with_clip_names_colours_on_masked_crops(checkpoints):
+    from rewards.shapeworld.grammar import COLOURS
+    from rewards.shapeworld.render import PALETTE, Placed, draw
+
+    pixels = torch.from_numpy(draw([Placed("red", "triangle", 4, 6, 20)], 32)).permute(2, 0, 1).float() / 255
+    reward = GenEval(detector="shapeworld", clip=str(checkpoints / "clip"))
+    assert isinstance(reward.colours, ClipColours) and reward.colours.colours == COLOURS
+    seen = _record_crops(reward.colours)
+    out = reward(pixels[None], ["a photo of a red triangle"])
+    assert torch.isfinite(out["geneval"]).all() and len(seen) == 1
+    red, grey = torch.tensor(PALETTE["red"]) / 255, torch.full((3,), 0x99 / 255)
+    colours = seen[0].flatten(1).T
+    is_red, is_grey = (colours - red).abs().amax(1) < 1e-6, (colours - grey).abs().amax(1) < 1e-6
+    assert (is_red | is_grey).all() and is_grey.any()  # the white around the triangle became grey
 
 
 def test_reward_with_models_is_batch_invariant_and_logs_clauses(checkpoints):
