@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 
 HELDOUT = "eval/shapeworld_strict/mean"
+NFE = "nfe"  # x axis: transformer evaluations spent on rollouts so far (Sol-RL's exploration included)
 DARKNESS = "eval/fidelity/background_darkness/mean"
 DIVERSITY = "eval/diversity"
 
@@ -52,6 +53,17 @@ def eval_rows(rows: list[dict], key: str = HELDOUT) -> dict[int, dict]:
     return {r["step"]: r for r in rows if r.get(key) is not None}
 
 
+def cumulative_nfe(rows: list[dict]) -> dict[int, float]:
+    """Rollout NFE spent up to and including each step (``rollout/nfe`` summed over the
+    iterations so far; an evaluation-only row, step 0, adds nothing): the x axis that compares
+    a tree, a pool and independent rollouts at equal sampling cost."""
+    total, out = 0.0, {}
+    for row in sorted(rows, key=lambda r: r["step"]):
+        total += row.get("rollout/nfe") or 0.0
+        out[row["step"]] = total
+    return out
+
+
 def common_steps(group: list[list[dict]], key: str = HELDOUT) -> list[int]:
     steps = None
     for rows in group:
@@ -68,6 +80,7 @@ def curve(
     base), and gives no points for runs evaluated only later (a ratio to a trained model's
     value would read as one to the base)."""
     runs = [eval_rows(rows, headline) for rows in group]
+    nfe = [cumulative_nfe(rows) for rows in group] if x == NFE else None
     steps = common_steps(group, headline)
     if ratio_to_start and (not steps or steps[0] != 0):
         return []
@@ -79,7 +92,7 @@ def curve(
         if ratio_to_start:
             starts = [evals[steps[0]].get(key) for evals in runs]
             values = [v / s if s else float("nan") for v, s in zip(values, starts)]
-        xs = [evals[step].get(x, step) for evals in runs]
+        xs = [totals[step] for totals in nfe] if nfe else [evals[step].get(x, step) for evals in runs]
         out.append((statistics.fmean(xs), spread(values)))
     return out
 
@@ -92,12 +105,13 @@ def _mean_cell(points: dict, step, digits: int = 3, suffix: str = "") -> str:
 def methods_table(groups: dict[str, list[list[dict]]]) -> str:
     """One Markdown row per method and evaluation step: held-out strict (mean ± sd over
     seeds [min, max]), the evaluation's standard error, training strict, background
-    darkness and diversity as ratios to the method's own start, and wall minutes."""
+    darkness and diversity as ratios to the method's own start, wall minutes and the
+    rollout NFE spent (mean over seeds)."""
     lines = [
-        "| method | seeds | iteration | minutes | held-out strict (mean ± sd [min, max] over "
+        "| method | seeds | iteration | minutes | rollout NFE | held-out strict (mean ± sd [min, max] over "
         "seeds) | eval SE | "
         "training strict | darkness x base | diversity x base |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     key = headline_key(groups)
     for name, group in groups.items():
@@ -106,9 +120,13 @@ def methods_table(groups: dict[str, list[list[dict]]]) -> str:
         darkness = dict(curve(group, DARKNESS, ratio_to_start=True, headline=key))
         diversity = dict(curve(group, DIVERSITY, ratio_to_start=True, headline=key))
         minutes = dict(curve(group, "wall_time", headline=key))
+        nfe = [cumulative_nfe(rows) for rows in group]
         for step, value in curve(group, key, headline=key):
+            spent = statistics.fmean(totals.get(step, 0.0) for totals in nfe)
+            spent = f"{spent:,.0f}" if spent else "-"
             lines.append(
-                f"| {name} | {len(group)} | {step:g} | {minutes[step].mean / 60:.1f} | {value.text()} | "
+                f"| {name} | {len(group)} | {step:g} | {minutes[step].mean / 60:.1f} | {spent} | "
+                f"{value.text()} | "
                 f"{_mean_cell(se, step)} | {_mean_cell(train, step)} | "
                 f"{_mean_cell(darkness, step, 2, 'x')} | {_mean_cell(diversity, step, 2, 'x')} |"
             )
@@ -117,7 +135,8 @@ def methods_table(groups: dict[str, list[list[dict]]]) -> str:
 
 def group_panels(groups: dict[str, list[list[dict]]]) -> list[tuple]:
     """Plot specs (title, xlabel, series) of the seed means: held-out strict against
-    iteration and wall time, training strict, darkness and diversity against iteration."""
+    iteration, wall time and rollout NFE, training strict, darkness and diversity against
+    iteration."""
 
     headline = headline_key(groups)
 
@@ -131,6 +150,7 @@ def group_panels(groups: dict[str, list[list[dict]]]) -> list[tuple]:
     return [
         ("held-out strict, mean over seeds", "step", means(headline)),
         ("held-out strict vs wall time", "seconds", means(headline, "wall_time")),
+        ("held-out strict vs rollout NFE", "transformer evaluations", means(headline, NFE)),
         ("training strict, mean over seeds", "step", means(headline.replace("eval/", "eval_train/", 1))),
         ("background darkness x base", "step", means(DARKNESS, ratio=True)),
         ("diversity x base", "step", means(DIVERSITY, ratio=True)),

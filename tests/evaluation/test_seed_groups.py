@@ -50,7 +50,7 @@ def test_no_ratio_to_the_base_without_a_step_0_evaluation():
     group = [_rows([0.4, 0.5], [2.0, 3.0], steps=(10, 20))]
     assert curve(group, DARKNESS, ratio_to_start=True) == []
     assert len(curve(group, DARKNESS)) == 2
-    assert "| late | 1 | 10 | 10.0 | 0.400 | 0.020 | 0.410 | - | - |" in methods_table({"late": group})
+    assert "| late | 1 | 10 | 10.0 | - | 0.400 | 0.020 | 0.410 | - | - |" in methods_table({"late": group})
 
 
 def test_report_groups_seeds_into_one_methods_table_and_plot(tmp_path):
@@ -71,10 +71,9 @@ def test_report_groups_seeds_into_one_methods_table_and_plot(tmp_path):
         ]
     )
     table = (out / "summary.md").read_text()
-    assert (
-        "| anchor | 2 | 20 | 20.0 | 0.520 ± 0.028 [0.500, 0.540] | 0.020 | 0.530 | 1.05x | 1.00x |" in table
-    )
-    assert "| plain | 1 | 20 | 20.0 | 0.360 | 0.020 | 0.370 | 4.50x | 1.00x |" in table
+    anchor = "| anchor | 2 | 20 | 20.0 | - | 0.520 ± 0.028 [0.500, 0.540] | 0.020 | 0.530 | 1.05x | 1.00x |"
+    assert anchor in table
+    assert "| plain | 1 | 20 | 20.0 | - | 0.360 | 0.020 | 0.370 | 4.50x | 1.00x |" in table
     assert "| anchor/a0 |" in table  # each seed also keeps its own row in the run summary
     assert Image.open(out / "report.png").size[0] > 0
     assert methods_table({"x": [runs["a0"]]}).count("| x | 1 |") == 3
@@ -108,4 +107,19 @@ def test_video_runs_report_their_own_strict_accuracy():
         for s, a in ((0, 0.2), (10, 0.5))
     ]
     table = methods_table({"rl": [rows, rows]})
-    assert "| rl | 2 | 10 | 10.0 | 0.500 ± 0.000 [0.500, 0.500] | 0.030 | 0.600 | - | - |" in table
+    assert "| rl | 2 | 10 | 10.0 | - | 0.500 ± 0.000 [0.500, 0.500] | 0.030 | 0.600 | - | - |" in table
+
+
+def test_nfe_axis_is_the_rollout_nfe_spent_so_far_averaged_over_seeds():
+    """Methods that spend different NFE per iteration (a tree, a pool, independent
+    rollouts) line up on the NFE axis: each run's x is the sum of its own rollout/nfe up to
+    the evaluation, and the table shows the seed mean."""
+    cheap = [dict(row, **{"rollout/nfe": 100.0}) for row in _rows([0.3, 0.4, 0.5], [1.0, 1.0, 1.0])]
+    costly = [dict(row, **{"rollout/nfe": 300.0}) for row in _rows([0.3, 0.4, 0.5], [1.0, 1.0, 1.0])]
+    for rows in (cheap, costly):  # an evaluation-only row at step 0 spends nothing
+        rows[0].pop("rollout/nfe")
+        nfe = rows[1]["rollout/nfe"]
+        rows[1:1] = [{"step": s, "wall_time": 0.0, "rollout/nfe": nfe} for s in range(1, 10)]
+    xs = [x for x, _ in curve([cheap, costly], HELDOUT, x="nfe")]
+    assert xs == [0.0, (1000 + 3000) / 2, (1100 + 3300) / 2]  # steps 10 and 20: 10 and 11 iterations
+    assert "| both | 2 | 10 | 10.0 | 2,000 | 0.400" in methods_table({"both": [cheap, costly]})
