@@ -10,17 +10,34 @@ default, so scores equal the in-process ones; uint8 or float16 to save bandwidth
 prompts as JSON; an :class:`~rewards.prompts.EditPrompt` travels as its text and its image
 path, which must then be readable on the server's machine.
 
-Failures are never a silent zero: a server that is down, too slow or answers with garbage
-(not JSON, wrong keys, wrong length) is retried ``retries`` times with a growing pause,
-then raises :class:`RemoteRewardError` naming the URL, what went wrong and the fix.
+Failures are never a silent zero: a server that is down or too slow is retried ``retries``
+times with a doubling pause, then raises :class:`RemoteRewardError` naming the URL, what
+went wrong and the fix; an answer that is garbage (not JSON, wrong keys, wrong length) or a
+server's own error raises at once.
+
+Overload (the server's side is in :mod:`rewards.serve`): each batch carries a request id
+(``X-Request-Id``, the same on every retry and every server) and the seconds this try will
+wait (``X-Request-Timeout``), so a retry after a read timeout goes back to the same server
+and attaches to the job still queued there instead of queuing a second copy, and a job
+nobody waits for any more is dropped unscored. ``urls: [...]`` spreads batches over several
+servers: each goes to the least-loaded one (images this client has in flight there plus the
+queue it last reported); one that refuses a connection or drops it is skipped for
+``revive_after`` seconds and the batch goes to another at once (no pause, no try used); one
+that answers 503 busy is left alone for its ``Retry-After`` while the others take the work,
+and when every server is busy the client waits that long and sends again, within the try's
+``timeout``: a queue that stays full longer is a failed try, like a timeout.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import random
+import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import torch
 
@@ -73,50 +90,66 @@ def encode_scores(scores: dict[str, torch.Tensor], name: str) -> bytes:
 
 # -- the client ----------------------------------------------------------------------------
 class RemoteReward:
-    """Registered as ``remote``: POSTs each batch to a reward server's ``/score``.
+    """Registered as ``remote``: POSTs each batch to a reward server's ``/score`` (``url``),
+    or to the least-loaded of several (``urls``), failing over when one dies.
 
     With ``overlap`` (the default) the trainer sends each rollout chunk as soon as it is
     decoded (:meth:`submit`), so the server scores while the next chunk denoises.
 
-    The optimised score is the served reward's own (its name is fetched from ``/info`` at
-    start-up, which also fails fast when nothing listens at ``url``); the served reward's
-    other scores are logged under their own names. ``check_prompts`` asks the server, so a
-    prompt the served reward cannot score fails at start-up as it would in-process.
+    The optimised score is the served reward's own (its name is fetched from every server's
+    ``/info`` at start-up, which also fails fast when nothing listens at a URL or two servers
+    serve different rewards); the served reward's other scores are logged under their own
+    names. ``check_prompts`` asks a server, so a prompt the served reward cannot score fails
+    at start-up as it would in-process. ``stats`` counts requests sent, retries (tries after
+    the first), busy (503 answers: a full queue or a stopping server), failovers and timeouts.
     """
 
     name = "remote"
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         timeout: float = 120.0,
         retries: int = 2,
         backoff: float = 1.0,
         wire_dtype: str = "float32",
         overlap: bool = True,
+        urls: list[str] | None = None,
+        revive_after: float = 10.0,
     ):
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(
                 f"remote: wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got '{wire_dtype}'"
             )
-        if not (timeout > 0 and retries >= 0 and backoff >= 0):
-            raise ValueError("remote: timeout must be > 0, retries and backoff >= 0")
-        self.url = url.rstrip("/")
+        if not (timeout > 0 and retries >= 0 and backoff >= 0 and revive_after >= 0):
+            raise ValueError("remote: timeout must be > 0, retries, backoff and revive_after >= 0")
+        self.urls = _server_urls(url, urls)
+        self.url = self.urls[0]  # the one server of a `url` config, and older callers' attribute
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.wire_dtype = wire_dtype
         self.overlaps_rollout = bool(overlap)  # false: score after the rollout, as in-process rewards
-        self.served = self._info()["reward"]
+        self.servers = _Servers(self.urls, float(revive_after))
+        self.stats = self.servers.stats
+        self.served = self._info()
 
-    def _info(self) -> dict:
-        return self._json(self._post("/info", b"{}", "application/json"), ("reward",))
+    def _info(self) -> str:
+        served = {
+            u: self._json(self._post("/info", b"{}", "application/json", pin=u), ("reward",), u)["reward"]
+            for u in self.urls
+        }
+        if len(set(served.values())) > 1:
+            raise ValueError(
+                f"remote: the servers in args.urls serve different rewards ({served}); "
+                "give each reward its own `remote` entry with a label"
+            )
+        return served[self.url]
 
     def check_prompts(self, prompts: list[str]) -> None:
         wire = [[str(p), getattr(p, "image", None)] for p in prompts]
-        answer = self._json(self._post("/check", json.dumps(wire).encode(), "application/json"), ("ok",))
+        url, raw = self._exchange("/check", json.dumps(wire).encode(), "application/json")
+        answer = self._json(raw, ("ok",), url)
         if not answer["ok"]:
-            raise ValueError(
-                f"reward server {self.url} ({self.served}): {answer.get('error', 'prompts refused')}"
-            )
+            raise ValueError(f"reward server {url} ({self.served}): {answer.get('error', 'prompts refused')}")
 
     def submit(self, images, prompts: list[str]):
         """Score in a background thread (a Future of ``__call__``'s dict): the request and the
@@ -132,65 +165,217 @@ class RemoteReward:
         if len(prompts) != count:
             raise ValueError(f"remote: {count} images but {len(prompts)} prompts")
         body = encode_request(images, list(prompts), self.wire_dtype)
-        answer = self._json(self._post("/score", body, "application/octet-stream"), ("reward", "scores"))
-        scores = answer["scores"]
+        url, raw = self._exchange("/score", body, "application/octet-stream", uuid.uuid4().hex, count)
+        scores = self._json(raw, ("reward", "scores"), url)["scores"]
         if not isinstance(scores, dict) or self.served not in scores:
             raise RemoteRewardError(
-                f"reward server {self.url} answered without its reward '{self.served}' "
+                f"reward server {url} answered without its reward '{self.served}' "
                 f"(keys {sorted(scores) if isinstance(scores, dict) else scores})"
             )
         out = {}
         for key, values in scores.items():
             if not isinstance(values, list) or len(values) != count:
                 raise RemoteRewardError(
-                    f"reward server {self.url} answered {key!r} with "
+                    f"reward server {url} answered {key!r} with "
                     f"{len(values) if isinstance(values, list) else repr(values)} values for {count} images; "
                     "is it serving the reward you configured?"
                 )
             out[self.name if key == self.served else key] = torch.tensor(values, dtype=torch.float32)
         if not torch.isfinite(out[self.name]).all():
-            raise RemoteRewardError(f"reward server {self.url} returned non-finite '{self.served}' scores")
+            raise RemoteRewardError(f"reward server {url} returned non-finite '{self.served}' scores")
         return out
 
     # -- transport ------------------------------------------------------------------------
-    def _post(self, path: str, body: bytes, content_type: str) -> bytes:
-        """POST with bounded retries; the last failure becomes one RemoteRewardError."""
-        last = None
+    def _post(self, path: str, body: bytes, content_type: str, pin: str | None = None) -> bytes:
+        """POST with bounded retries (to ``pin`` only, if given); the answer's bytes."""
+        return self._exchange(path, body, content_type, pin=pin)[1]
+
+    def _exchange(self, path, body, content_type, request_id=None, images=0, pin=None) -> tuple[str, bytes]:
+        """(the URL that answered, its bytes) after up to ``retries + 1`` tries with a
+        doubling pause between them; the last failure becomes one RemoteRewardError."""
+        last, sticky = None, pin
         for attempt in range(self.retries + 1):
             if attempt:
+                self.servers.count("retries")
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(
-                self.url + path, data=body, headers={"Content-Type": content_type}, method="POST"
-            )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return response.read()
-            except (
-                urllib.error.HTTPError
-            ) as err:  # the server answered: an error of its own, not worth retrying
-                detail = err.read().decode(errors="replace")[:300]
-                raise RemoteRewardError(
-                    f"reward server {self.url}{path} answered HTTP {err.code}: {detail}"
-                ) from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-                last = err
-        reason = getattr(last, "reason", last)
+                return self._try(path, body, content_type, request_id, images, sticky, pin)
+            except _TryFailed as failed:
+                # after a read timeout the job is still queued there: the retry must attach to it
+                last, sticky = failed, pin or failed.url
+        where = pin or (self.url if len(self.urls) == 1 else f"{self.urls}")
         raise RemoteRewardError(
-            f"reward server {self.url} did not answer {path} after {self.retries + 1} tries ({reason}); "
+            f"reward server {where} did not answer {path} after {self.retries + 1} tries ({last}); "
             "start it with `python scripts/serve_rewards.py --reward NAME --port PORT` or fix the "
-            f"reward's args.url (timeout {self.timeout:g} s per try)"
+            f"reward's args.url / args.urls (timeout {self.timeout:g} s per try)"
         ) from None
 
-    def _json(self, raw: bytes, keys: tuple[str, ...]) -> dict:
+    def _try(self, path, body, content_type, request_id, images, url, pin) -> tuple[str, bytes]:
+        """One try, at most ``timeout`` seconds: 503 busy is waited out and a dead server is
+        failed over within it (to ``pin`` only, if given). Raises _TryFailed (worth another
+        try) or RemoteRewardError (not)."""
+        end, reason = time.monotonic() + self.timeout, "no time left"
+        while True:
+            wait = 0.0
+            if url is None:
+                url, wait = self.servers.pick(only=pin)
+            left = end - time.monotonic()
+            if left <= wait:
+                raise _TryFailed(reason, None)
+            if url is None:  # every server is busy: wait out the shortest Retry-After, then pick
+                time.sleep(wait * random.uniform(1.0, 1.25))  # spread out the clients coming back
+                continue
+            try:
+                return url, self._send(url, path, body, content_type, request_id, images, left)
+            except urllib.error.HTTPError as err:
+                stopping, reason = self._refused(url, path, err)  # raises unless a 503
+                if stopping:
+                    self._failover(url, reason, pin)
+            except TimeoutError:
+                self.servers.count("timeouts")
+                raise _TryFailed(f"{url}: no answer within {left:.3g} s", url) from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+                self._failover(url, f"{url}: {getattr(err, 'reason', None) or type(err).__name__}", pin)
+            url = None
+
+    def _failover(self, url: str, reason: str, pin: str | None) -> None:
+        """A server that refused, dropped or is stopping: skip it; raise when none is left."""
+        self.servers.dead(url)
+        if pin is not None or not self.servers.any_alive():
+            raise _TryFailed(reason, None)
+        self.servers.count("failovers")  # the batch goes to another server with the same id
+
+    def _send(self, url, path, body, content_type, request_id, images, timeout) -> bytes:
+        headers = {"Content-Type": content_type}
+        if request_id is not None:
+            headers.update({"X-Request-Id": request_id, "X-Request-Timeout": f"{max(timeout, 0.001):.3f}"})
+        request = urllib.request.Request(url + path, data=body, headers=headers, method="POST")
+        self.servers.sent(url, images)
+        queued = None
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                queued = response.headers.get("X-Queue-Images")
+                return response.read()
+        except urllib.error.HTTPError as err:
+            queued = err.headers.get("X-Queue-Images")
+            raise
+        finally:
+            self.servers.answered(url, images, queued)
+
+    def _refused(self, url: str, path: str, err: urllib.error.HTTPError) -> tuple[bool, str]:
+        """(stopping, reason) of a 503, marking a busy server busy for its Retry-After; any
+        other status raises (a 504, the job dropped as expired, is worth a retry there)."""
+        detail = err.read().decode(errors="replace")[:300]
+        err.close()
+        if err.code == 504:
+            raise _TryFailed(f"{url}: {detail}", url)
+        if err.code != 503:  # the server's own error, not worth retrying
+            raise RemoteRewardError(f"reward server {url}{path} answered HTTP {err.code}: {detail}") from None
+        self.servers.count("busy")
+        try:
+            stopping = json.loads(detail).get("error") == "stopping"
+        except (json.JSONDecodeError, AttributeError):
+            stopping = False
+        if stopping:
+            return True, f"{url}: 503, shutting down"
+        wait = err.headers.get("X-Retry-After-Ms")
+        wait = float(wait) / 1000 if wait else float(err.headers.get("Retry-After") or 1)
+        self.servers.busy(url, wait)
+        return False, f"{url}: 503 busy (queue full) until the try's {self.timeout:g} s ran out"
+
+    def _json(self, raw: bytes, keys: tuple[str, ...], url: str | None = None) -> dict:
+        url = url or self.url
         try:
             answer = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RemoteRewardError(
-                f"reward server {self.url} answered something that is not JSON ({raw[:80]!r}); "
+                f"reward server {url} answered something that is not JSON ({raw[:80]!r}); "
                 "is the URL a diffrl reward server?"
             ) from None
         if not isinstance(answer, dict) or any(k not in answer for k in keys):
-            raise RemoteRewardError(
-                f"reward server {self.url} answered without {list(keys)}: {str(answer)[:120]}"
-            )
+            raise RemoteRewardError(f"reward server {url} answered without {list(keys)}: {str(answer)[:120]}")
         return answer
+
+
+class _TryFailed(Exception):
+    """A try that is worth another: ``url`` is where the retry must go (its job may still be
+    queued there), None for any server."""
+
+    def __init__(self, reason: str, url: str | None):
+        super().__init__(reason)
+        self.url = url
+
+
+def _server_urls(url, urls) -> list[str]:
+    if (url is None) == (urls is None):
+        raise ValueError(
+            "remote: give args.url (one server) or args.urls (a list of servers), "
+            f"exactly one of them (got url={url!r}, urls={urls!r})"
+        )
+    if urls is None:
+        urls = [url]
+    if isinstance(urls, str) or not urls or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError(f"remote: args.urls must be a non-empty list of server URLs, got {urls!r}")
+    out = [u.rstrip("/") for u in urls]
+    if len(set(out)) != len(out):
+        raise ValueError(f"remote: args.urls names a server twice: {urls}")
+    return out
+
+
+class _Servers:
+    """Where the next batch goes: the least-loaded usable server (images this client has in
+    flight there plus the queue it last reported; ties in turn). A server that refused or
+    dropped a connection is skipped for ``revive_after`` s (tried anyway when all are);
+    one that answered 503 busy until its Retry-After. Thread-safe: ``submit`` sends chunks
+    from several threads."""
+
+    def __init__(self, urls: list[str], revive_after: float):
+        self.urls, self.revive_after, self.lock = urls, revive_after, threading.Lock()
+        self.inflight = dict.fromkeys(urls, 0)
+        self.reported = dict.fromkeys(urls, 0)
+        self.dead_until = dict.fromkeys(urls, 0.0)
+        self.busy_until = dict.fromkeys(urls, 0.0)
+        self.turn = 0
+        self.stats = dict(requests=0, retries=0, busy=0, failovers=0, timeouts=0)
+
+    def pick(self, only: str | None = None) -> tuple[str | None, float]:
+        """(a server, 0), or (None, seconds until the first busy one takes work again)."""
+        now, urls = time.monotonic(), [only] if only else self.urls
+        with self.lock:
+            alive = [u for u in urls if self.dead_until[u] <= now]
+            if not alive:  # all failed recently: try the one that failed longest ago
+                return min(urls, key=self.dead_until.get), 0.0
+            free = [u for u in alive if self.busy_until[u] <= now]
+            if not free:
+                return None, min(self.busy_until[u] for u in alive) - now
+            self.turn += 1
+            order = {u: (i - self.turn) % len(urls) for i, u in enumerate(urls)}
+            return min(free, key=lambda u: (self.inflight[u] + self.reported[u], order[u])), 0.0
+
+    def any_alive(self) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            return any(self.dead_until[u] <= now for u in self.urls)
+
+    def sent(self, url: str, images: int) -> None:
+        with self.lock:
+            self.inflight[url] += images
+            self.stats["requests"] += 1
+
+    def answered(self, url: str, images: int, queued: str | None) -> None:
+        with self.lock:
+            self.inflight[url] -= images
+            if queued is not None and queued.isdigit():
+                self.reported[url] = int(queued)
+
+    def dead(self, url: str) -> None:
+        with self.lock:
+            self.dead_until[url] = time.monotonic() + self.revive_after
+
+    def busy(self, url: str, seconds: float) -> None:
+        with self.lock:
+            self.busy_until[url] = time.monotonic() + max(0.0, seconds)
+
+    def count(self, key: str) -> None:
+        with self.lock:
+            self.stats[key] += 1

@@ -4,14 +4,19 @@
     python scripts/serve_rewards.py --reward 'hpsv21={"checkpoint": "HPS_v2.1_compressed.pt"}' --device cuda:1
 
 Each training process (or machine) then scores through it with
-`rewards: [{name: remote, args: {url: "http://HOST:8600"}}]`. See rewards/serve.py for
-the protocol and rewards/remote.py for the client's retries and errors.
+`rewards: [{name: remote, args: {url: "http://HOST:8600"}}]`, or through several such servers
+with `args: {urls: ["http://HOST1:8600", "http://HOST2:8600"]}` (least-loaded first, failing
+over when one dies). A full queue (`--max-queue` images) answers 503 with Retry-After;
+`GET /health` reports the queue and counters; Ctrl-C or SIGTERM stops it, handing queued
+batches back to their clients. See rewards/serve.py for the protocol and rewards/remote.py
+for the client's retries and errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,13 +35,22 @@ def parse_args(argv=None):
         "--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests"
     )
     parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="most images waiting to be scored; more answer 503 with Retry-After (default 4 x --max-batch)",
+    )
+    parser.add_argument(
         "--latency-ms-per-image",
         type=float,
         default=0.0,
         help="benchmarks only: add this wall time per scored image, standing in for a reward model "
         "on another GPU or machine (sleeps, using no CPU here)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.max_batch < 1 or (args.max_queue is not None and args.max_queue < 1) or args.max_wait_ms < 0:
+        parser.error("--max-batch and --max-queue must be >= 1 and --max-wait-ms >= 0")
+    return args
 
 
 def build_reward(spec: str):
@@ -52,6 +66,10 @@ def build_reward(spec: str):
     return name, rewards.build(name, **args)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> None:
     from rewards.serve import serve
 
@@ -59,17 +77,27 @@ def main(argv=None) -> None:
     name, reward = build_reward(args.reward)
     if args.device and hasattr(reward, "to"):
         reward.to(args.device)
-    batching = dict(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+    batching = dict(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue)
     server = serve(
         reward, name, args.host, args.port, latency_ms_per_image=args.latency_ms_per_image, **batching
     )
     host, port = server.server_address[:2]
-    print(f"serving reward '{name}' on http://{host}:{port} (batches of up to {args.max_batch})", flush=True)
+    queue = server.scorer.max_queue
+    print(
+        f"serving reward '{name}' on http://{host}:{port} (batches of up to {args.max_batch}, "
+        f"queue of {queue} images)",
+        flush=True,
+    )
+    # SIGTERM (a job scheduler, `kill`) stops as Ctrl-C does: queued batches go back to
+    # their clients as 503 'stopping', which send them to another server
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        server.shutdown()
+        server.stop()
+        # one line for the log (and scripts/bench_serve.py): what this server did
+        print(f"stopped: {json.dumps(server.scorer.health())}", flush=True)
 
 
 if __name__ == "__main__":
