@@ -4,7 +4,9 @@
 # ITERATIONS iterations with an evaluation every EVERY (none at the start: the base's
 # score is the same for all). A run that already has ITERATIONS lines of metrics is kept.
 #   scripts/compare_runs.sh OUT_DIR ITERATIONS EVERY "SEEDS" "name=config [--set k=v ...]" ...
-# Extra arguments to every run go in EXTRA (e.g. EXTRA="--set eval.at_start=true").
+# Extra arguments to every run go in EXTRA (e.g. EXTRA="--set eval.at_start=true"). A
+# method's own --set comes last, so "tree=toy_branchgrpo --set train.max_steps=43 --set
+# eval.every=14" runs that method longer than ITERATIONS (equal NFE for a cheaper rollout).
 # scripts/compare_objectives.sh and scripts/compare_solrl_pools.sh name their methods.
 set -euo pipefail
 out=${1:?usage: scripts/compare_runs.sh OUT_DIR ITERATIONS EVERY SEEDS METHOD...}
@@ -23,12 +25,16 @@ done
 run() {
   IFS='|' read -r name seed rest <<<"$1"
   dir="$out/$name-s$seed"
-  [ -f "$dir/metrics.jsonl" ] && [ "$(wc -l <"$dir/metrics.jsonl")" -ge "$iterations" ] && return 0
+  config=${rest%% *}
+  own=${rest#"$config"}
+  target=$(grep -o 'train.max_steps=[0-9]*' <<<"$own" | tail -1 | cut -d= -f2)
+  target=${target:-$iterations}
+  [ -f "$dir/metrics.jsonl" ] && [ "$(wc -l <"$dir/metrics.jsonl")" -ge "$target" ] && return 0
   # shellcheck disable=SC2086
-  OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/train.py --config $rest \
+  OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/train.py --config $config \
     --set seed="$seed" --set train.max_steps="$iterations" --set eval.every="$every" \
     --set eval.at_start=false --set checkpoint.every=0 --set logging.progress_bar=false \
-    --set output_dir="$dir" ${EXTRA:-} >"$out/$name-s$seed.log" 2>&1
+    --set output_dir="$dir" ${EXTRA:-} $own >"$out/$name-s$seed.log" 2>&1
   echo "done $name seed $seed"
 }
 export -f run

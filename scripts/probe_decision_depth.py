@@ -37,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+def measure(args):
+    """(config, curve, steps, window width): the probe run on the config's trainer."""
     import contextlib
     import tempfile
 
@@ -59,7 +59,6 @@ def main(argv=None) -> int:
         level = cfg.sampling.noise_level if args.noise_level is None else args.noise_level
         prompts = spaced_subset(load_prompts(args.prompt_file or cfg.data.train_prompts), args.prompts)
         start, end = sde_window_at(cfg.sampling, steps, 0)
-        window = args.window or max(end - start, 1)
         scored_weights = (  # a checkpoint is probed with the EMA weights its evaluations used
             trainer.ema.swapped_in()
             if trainer.ema is not None and args.checkpoint != "base"
@@ -78,16 +77,20 @@ def main(argv=None) -> int:
                 batch=cfg.rollout.batch_size,
                 seed=args.seed,
             )
-    advice = dd.recommend(curve, splits=args.splits, window=window)
-    out = args.out or Path("outputs/probe_decision_depth") / cfg.run_name
-    out.mkdir(parents=True, exist_ok=True)
+    return cfg, curve, steps, args.window or max(end - start, 1)
+
+
+def print_table(curve, advice) -> None:
     print("\n| step | variance | s.e. | share | cumulative | mean reward |\n|---|---|---|---|---|---|")
     for k, (v, e, s, c, r) in enumerate(
         zip(curve.variance, curve.standard_error, curve.share, curve.cumulative_share, curve.mean_reward)
     ):
         print(f"| {k} | {v:.4g} | {e:.2g} | {s:.3f} | {c:.3f} | {r:.3f} |")
     print("\n" + "\n".join(advice.lines()))
-    record = {
+
+
+def record(args, steps: int, curve, advice) -> dict:
+    return {
         "config": args.config,
         "checkpoint": args.checkpoint,
         "overrides": args.overrides,
@@ -102,7 +105,18 @@ def main(argv=None) -> int:
             "steps_for_80_percent": advice.steps_for_80,
         },
     }
-    (out / "probe.json").write_text(json.dumps(record, indent=1))
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from diffrl.evaluation import decision_depth as dd
+
+    cfg, curve, steps, window = measure(args)
+    advice = dd.recommend(curve, splits=args.splits, window=window)
+    out = args.out or Path("outputs/probe_decision_depth") / cfg.run_name
+    out.mkdir(parents=True, exist_ok=True)
+    print_table(curve, advice)
+    (out / "probe.json").write_text(json.dumps(record(args, steps, curve, advice), indent=1))
     dd.plot(curve, out / "probe.png", f"{args.config}: where the reward is decided")
     print(f"wrote {out / 'probe.json'} and {out / 'probe.png'}")
     return 0
