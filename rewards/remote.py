@@ -1,8 +1,9 @@
 """Rewards scored by another process: a wire format, a batching HTTP server, and the
 ``remote`` reward that calls it.
 
-Reward models often want their own GPU, their own environment (GenEval's detector stack,
-a VLM judge behind vLLM) or their own machine; flow_grpo, verl-omni and UniRL all serve
+Reward models often want their own GPU, their own environment (GenEval's detector stack)
+or their own machine (a VLM judge behind vLLM or SGLang needs no server of ours:
+``vlm_judge`` with ``backend: openai``, :mod:`rewards.vlm_openai`); flow_grpo, verl-omni and UniRL all serve
 rewards from a separate process. ``scripts/serve_rewards.py --reward NAME`` serves any
 registered reward; a config entry ``{name: remote, args: {url: http://HOST:PORT}}`` scores
 through it. The wire carries the images as a safetensors tensor (``wire_dtype`` float32 by

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Several training recipes side by side on ShapeWorld, over seeds, then one report: every
-# METHOD for SEEDS seeds, two 1-thread runs at a time (the 2-core machine), each to
-# ITERATIONS iterations with an evaluation every EVERY (none at the start: the base's
-# score is the same for all). A run that already has ITERATIONS lines of metrics is kept.
+# METHOD for SEEDS seeds, JOBS 1-thread runs at a time (default 2, the 2-core machine),
+# each to ITERATIONS iterations with an evaluation every EVERY (none at the start: the
+# base's score is the same for all). A run that already has its iterations' metrics is kept.
 #   scripts/compare_runs.sh OUT_DIR ITERATIONS EVERY "SEEDS" "name=config [--set k=v ...]" ...
 # Extra arguments to every run go in EXTRA (e.g. EXTRA="--set eval.at_start=true"). A
 # method's own --set comes last, so "tree=toy_branchgrpo --set train.max_steps=43 --set
@@ -40,7 +40,7 @@ run() {
 export -f run
 export out iterations every EXTRA
 mkdir -p "$out"
-printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} bash -c 'run "$@"' _ {}
+printf '%s\n' "${jobs[@]}" | xargs -P "${JOBS:-2}" -I{} bash -c 'run "$@"' _ {}
 groups=()
 for m in "${methods[@]}"; do
   name=${m%%=*}

@@ -1,8 +1,9 @@
 """Scoring that overlaps the rollout: each decoded chunk goes to the rewards that score in
-another process (the ``remote`` reward, :mod:`rewards.remote`) as soon as it exists, so the
-reward server works while this process denoises the next chunk. In-process rewards still
-score the whole batch after the rollout, as before; a strategy that does not hand out its
-chunks (``on_images``: BranchGRPO trees finish all leaves together) scores after it too."""
+another process (the ``remote`` reward, :mod:`rewards.remote`; ``vlm_judge`` with
+``backend: openai``, :mod:`rewards.vlm_openai`) as soon as it exists, so the reward server
+works while this process denoises the next chunk. In-process rewards still score the whole
+batch after the rollout, as before; a strategy that does not hand out its chunks
+(``on_images``: BranchGRPO trees finish all leaves together) scores after it too."""
 
 from __future__ import annotations
 

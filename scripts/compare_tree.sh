@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# BranchGRPO trees against independent rollouts at equal rollout NFE (docs/BENCHMARKS.md,
+# "Trees against independent rollouts"), on the ShapeWorld world or the late-step world:
+# independent flow-GRPO, the tree with the shipped split steps, and the tree with the split
+# steps scripts/probe_decision_depth.py recommends. Each tree runs as many iterations as
+# spend about the NFE of ITERATIONS independent ones (2560 per iteration), and is
+# evaluated as often in NFE; scripts/report.py then plots held-out strict against NFE.
+#   scripts/compare_tree.sh shapeworld|late OUT_DIR [ITERATIONS=30] [SEEDS="0 1 2"]
+set -euo pipefail
+world=${1:?usage: scripts/compare_tree.sh shapeworld|late OUT_DIR [ITERATIONS] [SEEDS]}
+out=${2:?OUT_DIR}
+n=${3:-30}
+seeds=${4:-0 1 2}
+every=$((n / 3))
+# iterations (and evaluation interval) spending n x 2560 NFE at a tree's NFE per iteration
+equal() { echo "--set train.max_steps=$((n * 2560 / $1)) --set eval.every=$((every * 2560 / $1))"; }
+case $world in
+  shapeworld)
+    exec "$(dirname "$0")/compare_runs.sh" "$out" "$n" "$every" "$seeds" \
+      "independent=toy_flowgrpo" \
+      "tree_shipped=toy_branchgrpo $(equal 1776)" \
+      "tree_probe=toy_branchgrpo --set tree.split_steps=[0,1,2] --set tree.branch_factors=[4,2,2] $(equal 2000)"
+    ;;
+  late)
+    exec "$(dirname "$0")/compare_runs.sh" "$out" "$n" "$every" "$seeds" \
+      "independent=toy_late_flowgrpo" \
+      "tree_shipped=toy_late_branchgrpo --set tree.split_steps=[0,1,2,3] --set sampling.sde_window=[0,4] $(equal 1776)" \
+      "tree_probe=toy_late_branchgrpo $(equal "${LATE_TREE_NFE:-1056}")"
+    ;;
+  *) echo "world must be shapeworld or late, got '$world'" >&2; exit 2 ;;
+esac
