@@ -12,7 +12,9 @@ of live tensors right before an optimizer step on a CPU (activations excluded).
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -251,6 +253,81 @@ def fsdp_startup_rows(result: dict, processes: int) -> list[dict]:
     ]
 
 
+# -- exploration precision ----------------------------------------------------------------
+# the race runs FLUX's widths on a few blocks: a speed ratio is a per-block ratio, and on
+# the first H100 run compiling the whole FLUX (57 blocks) did not finish in 290 s
+PRECISION_BLOCKS = {"transformer_blocks": 2, "single_transformer_blocks": 4}
+_BLOCK_WORDS = {"transformer_blocks": "double", "single_transformer_blocks": "single"}
+
+
+def precision_config(cpu: bool) -> tuple[str, list[str]]:
+    """(config, ``--set`` list) of the precision race: FLUX.1-dev size at 1024 px with
+    random weights, or the tiny FLUX twin on a CPU."""
+    from diffrl.twin import QUIET_RUN
+
+    if cpu:
+        return "tiny_flux_solrl", list(QUIET_RUN)
+    from diffrl.config import load_config
+    from diffrl.twin import full_size_overrides
+
+    name = "flux_solrl"
+    return name, [*full_size_overrides(load_config(name)), "model.height=1024", "model.width=1024"]
+
+
+def keep_blocks(transformer: torch.nn.Module, counts: dict[str, int]) -> dict[str, int]:
+    """Keep the first ``counts[name]`` blocks of each block list ``name`` (widths untouched);
+    returns how many each keeps."""
+    kept = {}
+    for name, n in counts.items():
+        blocks = getattr(transformer, name)
+        setattr(transformer, name, blocks[:n])  # a ModuleList's slice is a ModuleList
+        kept[name] = min(n, len(blocks))
+    return kept
+
+
+def measure_precision(cfg, device, modes: list[str], batch: int, repeats: int, compile: bool) -> dict:
+    """``bench.exploration_precision`` on ``cfg``'s model cut to :data:`PRECISION_BLOCKS`,
+    under training's autocast, every raced model compiled alike or none."""
+    from diffrl.models import build_adapter
+    from diffrl.perf import bench
+    from diffrl.training.policy import Policy
+
+    adapter = build_adapter(cfg.model, device=device)
+    adapter.to(device)
+    kept = keep_blocks(adapter.transformer, PRECISION_BLOCKS)
+    bench.release_memory()  # the cut blocks
+    Policy(adapter, cfg.model, seed=cfg.seed)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
+    sol = cfg.solrl
+    steps = (sol.explore_num_steps if sol.explore == "ode" else None) or cfg.sampling.num_steps
+    rows = bench.exploration_precision(
+        adapter, modes, batch, steps, repeats, log=lambda _: None, autocast=autocast, compile=compile
+    )
+    return {"blocks": kept, "rows": rows}
+
+
+def precision_rows(result: dict, cpu: bool) -> list[dict]:
+    """Each low-precision mode's speed against the merged BF16 copy raced with it; FP8 on a
+    GPU has the 1.4x target (NVFP4 is simulated on Hopper: numerics, no speed)."""
+    blocks = " + ".join(f"{n} {_BLOCK_WORDS.get(k, k)}" for k, n in result["blocks"].items())
+    rows = []
+    for r in result["rows"]:
+        if r["mode"] == "bf16":
+            continue
+        fp8 = r["mode"].startswith("fp8") and not cpu
+        how = "compiled" if r["compiled"] else "eager"
+        rows.append(
+            row(
+                "precision",
+                f"{r['mode']} exploration / merged bf16, {how}, {blocks} blocks: speed",
+                r["speed_vs_bf16"],
+                ">= 1.4x" if fp8 else "-",
+                r["speed_vs_bf16"] >= 1.4 if fp8 else None,
+            )
+        )
+    return rows
+
+
 # -- rewards ------------------------------------------------------------------------------
 def reward_throughput(cpu: bool) -> list[dict]:
     """HPSv2.1 with random weights scoring real-size images (resize and normalisation
@@ -282,6 +359,21 @@ def reward_throughput(cpu: bool) -> list[dict]:
 
 
 # -- the configs' promises ----------------------------------------------------------------
+FITS = re.compile(r"^# fits: (\d+) ?x (\d+) GB, (ddp|fsdp)", re.MULTILINE)
+
+
+def configs_fit(config_dir) -> list[dict]:
+    """One :func:`config_fits` row per config in ``config_dir`` whose header promises
+    hardware (``# fits: 8x 80 GB, ddp``)."""
+    rows = []
+    for path in sorted(Path(config_dir).glob("*.yaml")):
+        match = FITS.search(path.read_text())
+        if match:
+            n, gb, sharding = match.groups()
+            rows.append(config_fits(path.stem, int(n), float(gb), "none" if sharding == "ddp" else "fsdp"))
+    return rows
+
+
 def config_fits(name: str, processes: int, gb: float, sharding: str) -> dict:
     """Whether ``name`` fits the GPUs its header promises (``# fits: ...``) by the
     meta-device estimate: at most 95% of the GPU's memory (the allocator's slack)."""
