@@ -31,11 +31,14 @@ run() {
   target=${target:-$iterations}
   [ -f "$dir/metrics.jsonl" ] && [ "$(wc -l <"$dir/metrics.jsonl")" -ge "$target" ] && return 0
   # shellcheck disable=SC2086
-  OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/train.py --config $config \
+  if OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/train.py --config $config \
     --set seed="$seed" --set train.max_steps="$iterations" --set eval.every="$every" \
     --set eval.at_start=false --set checkpoint.every=0 --set logging.progress_bar=false \
-    --set output_dir="$dir" ${EXTRA:-} $own >"$out/$name-s$seed.log" 2>&1
-  echo "done $name seed $seed"
+    --set output_dir="$dir" ${EXTRA:-} $own >"$out/$name-s$seed.log" 2>&1; then
+    echo "done $name seed $seed"
+  else
+    echo "FAILED $name seed $seed: see $out/$name-s$seed.log"
+  fi
 }
 export -f run
 export out iterations every EXTRA
