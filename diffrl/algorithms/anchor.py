@@ -4,7 +4,7 @@ Flow-GRPO with an SDE window (Flow-GRPO-Fast / MixGRPO, Li et al. 2025) computes
 policy ratio only at the window's stochastic steps. The LoRA weights are shared by every
 step, so those updates also move the velocity at the deterministic steps, which no loss
 credits or restrains. On ShapeWorld that drift paints a texture into the background at the
-low-noise steps (docs/BENCHMARKS.md, issue 15). The anchor restrains exactly those steps:
+low-noise steps (docs/notes/2026-11-shapeworld-history.md). The anchor restrains exactly those steps:
 
     L_anchor = anchor_coef * mean_i ||v_theta(x_t^i, t) - v_ref(x_t^i, t)||^2
 

@@ -21,7 +21,7 @@ transitions.
   steps dominate; with ``depth`` each step present in the optimizer step gets an equal
   part, as each step does for independent rollouts. (Normalising by kept edges instead
   let the few kept edges of a mostly masked early step carry a whole step's weight, and
-  ShapeWorld training fell apart: docs/BENCHMARKS.md.)
+  ShapeWorld training fell apart: docs/notes/2026-11-trees-and-solrl-history.md.)
 
 Both give the same number of optimizer steps per epoch for the same number of samples
 (leaves): ceil(ceil(samples / micro_batch_size) / gradient_accumulation).
