@@ -1,6 +1,7 @@
 """Shared test helpers."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,41 @@ def assert_save_and_lora_round_trip(tmp_path, build, cfg, pipeline_class, x, pro
     fresh.load_lora_weights(tmp_path / "lora")
     assert not torch.allclose(v_lora, v0, atol=1e-4)
     assert torch.allclose(velocity(type(adapter)(fresh, cfg)), v_lora, atol=1e-5)
+
+
+CHECKOUT_OUTPUTS = SCRIPTS.parent / "outputs"  # where a user's runs land by default (outputs/<run_name>)
+
+
+def tree_state(root: Path, depth: int | None = None) -> dict[str, tuple[int, int]]:
+    """Every entry under ``root``, ``depth`` levels down (all when None), as {relative path:
+    (mtime_ns, size)}; an absent root is {}. A new file or folder changes its parent's
+    mtime, so depth 2 under outputs/ (a run's files and its checkpoints/, samples/, logs/)
+    sees every run that starts, continues or is deleted there, at a few stats a run."""
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    state = {".": (root.stat().st_mtime_ns, 0)}
+    folders = [(root, 1)]
+    while folders:
+        folder, level = folders.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except FileNotFoundError:  # deleted while we looked: the parent's mtime says so
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            state[os.path.relpath(entry.path, root)] = (st.st_mtime_ns, st.st_size)
+            if entry.is_dir(follow_symlinks=False) and (depth is None or level < depth):
+                folders.append((entry.path, level + 1))
+    return state
+
+
+def tree_changes(before: dict, after: dict) -> list[str]:
+    """What differs between two :func:`tree_state` results, one line an entry."""
+    lines = [f"created {p}" for p in sorted(after.keys() - before.keys())]
+    lines += [f"deleted {p}" for p in sorted(before.keys() - after.keys())]
+    lines += [f"modified {p}" for p in sorted(before.keys() & after.keys()) if before[p] != after[p]]
+    return lines

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,18 @@ LAUNCH = [
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
 
 
-def _run(args, timeout=300, **extra_env):
+TRAIN = str(ROOT / "scripts" / "train.py")
+
+
+def _run(args, timeout=300, cwd=None, **extra_env):
+    """``args`` as a subprocess from ``cwd``, by default a fresh empty directory: never the
+    checkout, whose outputs/ holds the user's own runs (the default output_dir,
+    outputs/<run_name>, is relative to the working directory)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra_env}
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="diffrl-cwd-") as fresh:
+        return subprocess.run(
+            args, cwd=cwd or fresh, env=env, capture_output=True, text=True, timeout=timeout
+        )
 
 
 def _rows(run_dir):
@@ -47,7 +57,7 @@ def test_accelerate_launch_two_steps(tmp_path):
         + [
             "--num_processes",
             "1",
-            "scripts/train.py",
+            TRAIN,
             "--config",
             "tiny_flux_flowgrpo.yaml",
             "--set",
@@ -66,11 +76,30 @@ def test_accelerate_launch_two_steps(tmp_path):
 
 
 def test_dry_run_prints_plan_and_builds_nothing(tmp_path):
-    out = _run([sys.executable, "scripts/train.py", "--config", "flux_flowgrpo", "--dry-run"])
+    out = _run([sys.executable, TRAIN, "--config", "flux_flowgrpo", "--dry-run"])
     assert out.returncode == 0, out.stderr
     for key in ("samples_per_iteration", "rollout_nfe_per_iteration", "optimizer_steps_per_iteration"):
         assert key in out.stdout
     assert "samples_per_iteration                    1152" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def after_a_readme_run(tmp_path_factory):
+    """A directory where the user ran ``diffrl-train --config tiny_flux_flowgrpo`` (the
+    README's kind of run, cut to one iteration), as in a checkout after it: the run sits
+    in the default output_dir, outputs/tiny_flux_flowgrpo, relative to the working
+    directory. In process (the CLI's own main, as diffrl-train runs it): a few seconds."""
+    from diffrl.cli import main
+    from diffrl.training.run_dir import RunDirInUseError, ensure_fresh
+
+    home = tmp_path_factory.mktemp("after_a_readme_run")
+    quick = ["train.max_steps=1", "eval.every=0", "logging.progress_bar=false", "logging.trackers=[]"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(home)
+        assert main(["--config", "tiny_flux_flowgrpo", *[a for s in quick for a in ("--set", s)]]) == 0
+    with pytest.raises(RunDirInUseError):  # what the error tests met in the checkout before
+        ensure_fresh(home / "outputs" / "tiny_flux_flowgrpo")
+    return home
 
 
 @pytest.mark.parametrize(
@@ -89,11 +118,15 @@ def test_dry_run_prints_plan_and_builds_nothing(tmp_path):
         ),
     ],
 )
-def test_cli_errors_are_one_clear_line(args, expected):
-    out = _run([sys.executable, "scripts/train.py", *args])
+def test_cli_errors_are_one_clear_line(args, expected, after_a_readme_run, tmp_path):
+    """Each bad input gets its own error, also where the user already ran the config into
+    its default run directory (issue 40): a case writes to a fresh output_dir of its own
+    (a case naming one keeps it: the later --set wins)."""
+    own = ["--set", f"output_dir={tmp_path / 'run'}"]
+    out = _run([sys.executable, TRAIN, *own, *args], cwd=after_a_readme_run)
     assert out.returncode == 2
-    assert expected in out.stderr
-    assert "Traceback" not in out.stderr
+    assert expected in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "already holds a run" not in out.stderr
 
 
 @pytest.mark.slow
@@ -101,7 +134,7 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     """One group of 4 split over 2 processes is normalised over the whole group: rewards,
     their std and the updated weights equal the 1-process run over the same samples."""
     common = [
-        "scripts/train.py",
+        TRAIN,
         "--config",
         "tiny_flux_flowgrpo",
         "--set",
@@ -161,7 +194,7 @@ def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
     One row per rollout forward in both runs: batching 2 trees or 1 moves latents by ~5e-7,
     enough to flip a pixel's rounding and the JPEG reward."""
     common = [
-        "scripts/train.py",
+        TRAIN,
         "--config",
         "tiny_flux_branchgrpo",
         "--set",
@@ -202,18 +235,16 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     before the model, so bad inputs fail fast), which offline fails with one line saying
     how to fetch it; with that reward swapped for a weight-free one, it gets to
     FLUX.1-dev and fails the same way."""
-    dry = _run([sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--dry-run"])
+    dry = _run([sys.executable, TRAIN, "--config", "flux_solrl.yaml", "--dry-run"])
     assert dry.returncode == 0, dry.stderr
     assert "solrl_explore_nfe_per_iteration          3248" in dry.stdout  # 16 trees x 203 NFE
-    start = _run(
-        [sys.executable, "scripts/train.py", "--config", "flux_solrl.yaml", "--set", f"output_dir={tmp_path}"]
-    )
+    start = _run([sys.executable, TRAIN, "--config", "flux_solrl.yaml", "--set", f"output_dir={tmp_path}"])
     assert start.returncode == 2 and "Traceback" not in start.stderr
     assert "hpsv21: weights not found" in start.stderr and "hf download xswu/HPSv2" in start.stderr
     model = _run(
         [
             sys.executable,
-            "scripts/train.py",
+            TRAIN,
             "--config",
             "flux_solrl.yaml",
             "--set",
@@ -230,7 +261,7 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
 def test_under_accelerate_launch_q_our_error_is_the_last_line():
     """accelerate launch adds its own CalledProcessError traceback when the script fails;
     with -q (what the README uses) the user's last line is ours."""
-    script = ["scripts/train.py", "--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"]
+    script = [TRAIN, "--config", "tiny_flux_flowgrpo", "--set", "train.max_stepz=2"]
     out = _run([*LAUNCH, "-q", "--num_processes", "1", *script])
     assert out.returncode != 0
     last = [line for line in out.stderr.splitlines() if line.strip()][-1]
@@ -273,7 +304,7 @@ def _train(processes: int, run_dir, *assignments, resume=None, config="tiny_flux
     """scripts/train.py on ``config`` over ``processes`` gloo processes; one group of 4
     split evenly (micro-batches of 4 / processes)."""
     sets = [*ONE_GROUP, f"train.micro_batch_size={4 // processes}", f"output_dir={run_dir}", *assignments]
-    args = ["scripts/train.py", "--config", config, *[a for s in sets for a in ("--set", s)]]
+    args = [TRAIN, "--config", config, *[a for s in sets for a in ("--set", s)]]
     args += ["--resume", str(resume)] if resume else []
     run = _run(TORCHRUN + [str(processes), *args], **({"ACCELERATE_USE_CPU": "true"} | env))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -360,7 +391,7 @@ SOLRL = ["rollout.batch_size=1", "rollout.prompts_per_step=4", "checkpoint.every
 def _solrl(processes: int, run_dir, resume=None, **env):
     """tiny_flux_solrl (an NVFP4 tree pool, BF16 sub-tree regeneration) for 2 steps."""
     sets = ["train.max_steps=2", *SOLRL, f"output_dir={run_dir}"]
-    args = ["scripts/train.py", "--config", "tiny_flux_solrl", *[a for s in sets for a in ("--set", s)]]
+    args = [TRAIN, "--config", "tiny_flux_solrl", *[a for s in sets for a in ("--set", s)]]
     args += ["--resume", str(resume)] if resume else []
     run = _run(TORCHRUN + [str(processes), *args], **({"ACCELERATE_USE_CPU": "true"} | env))
     assert run.returncode == 0, run.stderr[-3000:]
