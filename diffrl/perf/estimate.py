@@ -16,8 +16,12 @@ master weights for LoRA and full fine-tunes alike: 16 bytes per trainable parame
 a full fine-tune's frozen reference copy, the exploration copy
 (FP8 through torchao stores 1 byte per weight; NVFP4 off Blackwell is simulated over a
 BF16 copy, 2 bytes), the EMA and DiffusionNFT's old policy (fp32 shadows of the trainable
-weights) and the trajectory buffer. VAE-decode and attention transients are not
-modelled: a measured peak (``train.py --full-size`` on a GPU) supersedes this.
+weights), the trajectory buffer and a Sol-RL exploration pool (its decoded images until
+they are scored, and a tree pool's layout; Sol-RL, "FP4 Explore, BF16 Train", Sec. 3).
+The pool and the activations are never alive together (the pool is freed before the
+regeneration): summing both is an upper bound, and :data:`TRANSIENT_PARTS` names what is
+gone when the optimizer steps. VAE-decode and attention transients are not modelled: a
+measured peak (``train.py --full-size`` on a GPU) supersedes this.
 
 Sharding (``sharding="fsdp"``, FSDP's FULL_SHARD as accelerate's FSDP2 applies it, one
 unit per transformer block): every process keeps 1/N of the transformer's weights
@@ -50,6 +54,10 @@ REWARD_ARCH = {
 }
 IMAGEREWARD_PARAMS = 447e6
 EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0}  # per transformer weight, on Hopper
+POOL = "exploration pool"
+# parts not alive when the optimizer steps: activations (freed by the backward pass) and
+# the Sol-RL pool (freed once scored, before the regeneration)
+TRANSIENT_PARTS = ("activations", POOL)
 
 
 def reward_params(spec) -> float:
@@ -170,6 +178,7 @@ def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict
     shared = {
         "activations": activations,
         "trajectory buffer": plan["trajectory_buffer_mib_per_process"] * 2**20,
+        POOL: plan.get("solrl_pool_mib_per_process", 0.0) * 2**20,
     }
     reward_bytes = sum(reward_params(r) for r in cfg.rewards) * 4  # fp32 unless configured
     by_sharding = {
@@ -234,6 +243,7 @@ def estimate_built(
     parts["trajectory buffer"] = (
         plan["trajectory_buffer_mib_per_process"] * 2**20 * built_latent / latent_numel(cfg)
     )
+    parts[POOL] = plan.get("solrl_pool_mib_per_process", 0.0) * 2**20  # images at the config's size
     one_sample = adapter.encode_prompts(benchmark_prompts(adapter, 1))  # an edit's prompt carries its image
     per_sample = sum(t.numel() * t.element_size() for t in one_sample.tensors.values())
     parts["rollout conditioning"] = plan["samples_per_process"] * per_sample

@@ -5,15 +5,17 @@ A rollout strategy has the signature
 is a :class:`SamplerSettings` (or a whole Config, which it narrows), returning a
 :class:`Trajectory` (independent paths) or a :class:`TreeTrajectory` (BranchGRPO), so
 that the trainer can swap independent rollouts for a tree sampler or a low-precision
-pool. ``iteration`` places sliding SDE windows.
+pool. ``iteration`` places sliding SDE windows. A strategy that explores a Sol-RL pool
+also takes ``keep_steps``: with ``False`` it returns a light pool (an
+:class:`ExploredPool` or a :class:`TreePool`: images, keys, a tree's layout).
 """
 
 from __future__ import annotations
 
-from diffrl.sampling.rollout import Trajectory, rollout_independent
+from diffrl.sampling.rollout import ExploredPool, Trajectory, rollout_independent
 from diffrl.sampling.sde import STEP_KINDS, gaussian_kl, gaussian_log_prob, step
 from diffrl.sampling.settings import SamplerSettings
-from diffrl.sampling.tree import TreeSpec, TreeTrajectory, rollout_tree
+from diffrl.sampling.tree import TreePool, TreeSpec, TreeTrajectory, rollout_tree
 from rewards.registry import Registry
 
 STRATEGIES = Registry(
@@ -36,6 +38,7 @@ def get_strategy(name: str):
 
 
 __all__ = [
+    "ExploredPool",
     "SamplerSettings",
     "STEP_KINDS",
     "Trajectory",
@@ -47,6 +50,7 @@ __all__ = [
     "rollout_independent",
     "rollout_tree",
     "step",
+    "TreePool",
     "TreeSpec",
     "TreeTrajectory",
 ]

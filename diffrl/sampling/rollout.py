@@ -116,6 +116,32 @@ class Trajectory:
         return Trajectory(**out)
 
 
+@dataclass
+class ExploredPool:
+    """An independent exploration pool as Sol-RL reads it (Sol-RL, "FP4 Explore, BF16
+    Train", Sec. 3): selection scores ``images``, and the BF16 regeneration replays
+    ``keys`` (initial and per-step noise follow from a key). No per-step tensor is kept:
+    nothing reads a pool's latents, means or log-probs, and at sd35_solrl's size (384
+    candidates, 10 steps, 16x128x128 latents) its latents and means were 8064 MiB."""
+
+    keys: list[tuple]  # (B,) per-sample RNG keys, as in :class:`Trajectory`
+    nfe: int = 0
+    images: torch.Tensor | None = None  # decoded x_T, [0, 1]; dropped once scored
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.keys)
+
+    def fill(self, start: int, part: ExploredPool) -> None:
+        """Write the decoded chunk ``part`` (candidates from ``start`` on) into the pool's
+        images, allocated once at the first chunk: joining the chunks at the end would hold
+        every image twice for a moment."""
+        if self.images is None:
+            self.images = part.images.new_empty((len(self.keys), *part.images.shape[1:]))
+        self.images[start : start + len(part.keys)] = part.images
+        self.nfe += part.nfe
+
+
 def initial_noise(shape, keys) -> torch.Tensor:
     return rng.randn_batch(shape, keys, "init")
 
@@ -198,7 +224,8 @@ def rollout_independent(
     iteration: int = 0,
     on_images=None,
     keep_noise: bool = False,
-) -> Trajectory:
+    keep_steps: bool = True,
+) -> Trajectory | ExploredPool:
     """Independent rollouts for ``keys`` in chunks of ``rollout.batch_size``, decoded.
 
     ``cfg`` is a Config or its :class:`SamplerSettings`. ``cond`` holds one row per key.
@@ -206,30 +233,32 @@ def rollout_independent(
     chunking (tested). ``iteration`` places a sliding SDE window (see
     :mod:`diffrl.sampling.windows`). ``on_images(indices, images)`` is called with each
     decoded chunk as soon as it exists (a reward server starts scoring it while the next
-    chunk denoises). ``keep_noise``: as in :func:`denoise`.
+    chunk denoises). ``keep_noise``: as in :func:`denoise`. ``keep_steps=False`` (a Sol-RL
+    exploration pool) drops each chunk's per-step tensors once it is decoded and returns
+    an :class:`ExploredPool`: one chunk's steps are held at a time, not the pool's.
     """
     s = SamplerSettings.of(cfg)
     n = num_steps or s.sampling.num_steps
     sigmas = adapter.sigmas(n).float()
     kinds = kinds or step_kinds(s.sampling, n, iteration)
-    parts = []
-    bs = s.batch_size
-    for start in range(0, len(keys), bs):
-        idx = list(range(start, min(start + bs, len(keys))))
-        traj = denoise(
-            adapter,
-            transformer,
-            cond.select(idx),
-            [keys[i] for i in idx],
-            sigmas,
-            kinds,
-            s.sampling.noise_level,
-            s.logprob_reduction,
-            keep_noise=keep_noise,
-        )
-        with torch.no_grad():
-            traj.images = adapter.decode(traj.latents[:, -1]).float()
+    parts, pool = [], ExploredPool(list(keys))
+    for start in range(0, len(keys), s.batch_size):
+        idx = list(range(start, min(start + s.batch_size, len(keys))))
+        args = (cond.select(idx), [keys[i] for i in idx], sigmas, kinds, s.sampling.noise_level)
+        part = _decoded_chunk(adapter, transformer, args, s.logprob_reduction, keep_noise, keep_steps)
         if on_images is not None:
-            on_images(idx, traj.images)
-        parts.append(traj)
-    return Trajectory.cat(parts, consume=True)
+            on_images(idx, part.images)
+        if keep_steps:
+            parts.append(part)
+        else:
+            pool.fill(start, part)
+    return Trajectory.cat(parts, consume=True) if keep_steps else pool
+
+
+def _decoded_chunk(adapter, transformer, args, reduction, keep_noise: bool, keep_steps: bool):
+    """One chunk denoised and decoded; without ``keep_steps`` only its keys, NFE and
+    images leave this function (the chunk's trajectory is freed on return)."""
+    traj = denoise(adapter, transformer, *args, reduction, keep_noise=keep_noise)
+    with torch.no_grad():
+        traj.images = adapter.decode(traj.latents[:, -1]).float()
+    return traj if keep_steps else ExploredPool(traj.keys, traj.nfe, traj.images)

@@ -25,8 +25,8 @@ log-prob is the density of what was sampled. With ``draw`` only the drawn noise 
 and the drift and log-prob keep the unscaled std, as the BranchGRPO reference does
 (Fredreic1849/BranchGRPO, ``fastvideo/train_branchgrpo_flux.py: flux_step_with_split``);
 its log-prob is then that of N(mean, std^2) while the child was drawn from N(mean,
-(scale std)^2). The stored noise is the scaled draw, so sub-tree regeneration and replay
-reproduce the children exactly in both modes.
+(scale std)^2). The stored noise, and the noise a sub-tree regeneration redraws from
+the keys, is the scaled draw, so both reproduce the children exactly in both modes.
 
 Reference: Fredreic1849/BranchGRPO, ``fastvideo/train_branchgrpo_flux.py``
 (``run_tree_sample_step``: the same node layout, children of ordinal j at 2j, 2j + 1 for
@@ -35,7 +35,6 @@ factor 2). Deliberate deviation: ``split_noise: level`` by default (above).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -44,108 +43,41 @@ from diffrl.sampling import rng
 from diffrl.sampling.rollout import Trajectory, initial_noise
 from diffrl.sampling.sde import step
 from diffrl.sampling.settings import SamplerSettings
+from diffrl.sampling.tree_spec import TreeSpec
 from diffrl.sampling.windows import step_kinds
 
 
-@dataclass(frozen=True)
-class TreeSpec:
-    """The branching schedule of one tree: ``factors[t]`` children per node at step t."""
+class TreeLayout:
+    """What the node layout alone answers (leaves, root-to-leaf paths), shared by a
+    :class:`TreeTrajectory` and a :class:`TreePool`, which both have ``parent``, ``depth``,
+    ``spec``, ``root_keys`` and ``keys``."""
 
-    factors: tuple[int, ...]
-    split_noise_scale: float = 1.0
-    split_noise: str = "level"  # "level": scale the step's noise level; "draw": only the drawn noise
+    @property
+    def num_trees(self) -> int:
+        return len(self.root_keys)
 
-    @classmethod
-    def build(
-        cls,
-        num_steps: int,
-        split_steps,
-        branch_factors,
-        split_noise_scale: float = 1.0,
-        split_noise: str = "level",
-    ) -> TreeSpec:
-        if split_noise not in ("level", "draw"):
-            raise ValueError(f"tree.split_noise must be 'level' or 'draw', got '{split_noise}'")
-        splits = list(split_steps)
-        per_split = list(branch_factors) * len(splits) if len(branch_factors) == 1 else list(branch_factors)
-        factors = [1] * num_steps
-        for s, f in zip(splits, per_split):
-            factors[s] = int(f)
-        return cls(tuple(factors), float(split_noise_scale), split_noise)
-
-    @classmethod
-    def from_config(cls, cfg) -> TreeSpec:
-        t = cfg.tree  # a Config or SamplerSettings: both have .sampling and .tree
-        return cls.build(
-            cfg.sampling.num_steps, t.split_steps, t.branch_factors, t.split_noise_scale, t.split_noise
-        )
+    @property
+    def num_leaves(self) -> int:
+        return len(self.keys)
 
     @property
     def num_steps(self) -> int:
-        return len(self.factors)
+        return self.spec.num_steps
 
-    @property
-    def split_steps(self) -> list[int]:
-        return [t for t, f in enumerate(self.factors) if f > 1]
+    def leaf_nodes(self) -> torch.Tensor:
+        return torch.nonzero(self.depth == self.num_steps).flatten()
 
-    @property
-    def last_split(self) -> int:
-        return max(self.split_steps, default=-1)
-
-    def nodes_at(self, depth: int) -> int:
-        """Nodes per tree at ``depth`` (depth t holds x_t; the root is depth 0)."""
-        return math.prod(self.factors[:depth])
-
-    def branched(self, depth: torch.Tensor) -> torch.Tensor:
-        """Bool per entry of ``depth``: the tree has more than one node there (a depth with
-        one node, the trunk before the first split, always gets a zero advantage)."""
-        table = torch.tensor([self.nodes_at(d) > 1 for d in range(self.num_steps + 1)])
-        return table[depth]
-
-    @property
-    def leaves(self) -> int:
-        return self.nodes_at(self.num_steps)
-
-    def nfe_per_tree(self) -> int:
-        """Closed form: step t evaluates the transformer once per node at depth t."""
-        return sum(self.nodes_at(t) for t in range(self.num_steps))
-
-    def _split_scale(self, mode: str) -> list[float]:
-        return [self.split_noise_scale if f > 1 and self.split_noise == mode else 1.0 for f in self.factors]
-
-    def noise_levels(self, base: float) -> list[float]:
-        """The step rule's noise level per step (scaled at splits in ``level`` mode)."""
-        return [base * k for k in self._split_scale("level")]
-
-    def draw_scales(self) -> list[float]:
-        """Factor on the drawn noise per step (the split scale at splits in ``draw`` mode)."""
-        return self._split_scale("draw")
-
-    def layout(self, num_trees: int) -> dict[str, torch.Tensor]:
-        """depth, tree, ordinal and parent (-1 for roots) of every node, level-major."""
-        depth, tree, ordinal, parent = [], [], [], []
-        offset = 0
-        for d in range(self.num_steps + 1):
-            n = self.nodes_at(d)
-            depth.append(torch.full((num_trees * n,), d))
-            tree.append(torch.arange(num_trees).repeat_interleave(n))
-            ordinal.append(torch.arange(n).repeat(num_trees))
-            if d == 0:
-                parent.append(torch.full((num_trees,), -1))
-            else:
-                prev = self.nodes_at(d - 1)
-                parent.append(
-                    offset - num_trees * prev + tree[-1] * prev + ordinal[-1] // self.factors[d - 1]
-                )
-            offset += num_trees * n
-        return {
-            k: torch.cat(v)
-            for k, v in (("depth", depth), ("tree", tree), ("ordinal", ordinal), ("parent", parent))
-        }
+    def paths(self, leaves=None) -> torch.Tensor:
+        """(B, T+1) node indices of the root-to-leaf path of each leaf (default: all)."""
+        nodes = self.leaf_nodes() if leaves is None else self.leaf_nodes()[torch.as_tensor(leaves)]
+        cols = [nodes]
+        for _ in range(self.num_steps):
+            cols.append(self.parent[cols[-1]])
+        return torch.stack(cols[::-1], 1)
 
 
 @dataclass
-class TreeTrajectory:
+class TreeTrajectory(TreeLayout):
     """All nodes of a batch of trees (N nodes, L = trees * leaves leaves).
 
     Per-node edge fields describe the transition *into* the node from its parent (they
@@ -172,29 +104,6 @@ class TreeTrajectory:
     keys: list[tuple]  # (L,) leaf keys, tree-major: (*root, leaf ordinal)
     nfe: int = 0
     images: torch.Tensor | None = None  # (L, ...) decoded leaves, in ``keys`` order
-
-    @property
-    def num_trees(self) -> int:
-        return len(self.root_keys)
-
-    @property
-    def num_leaves(self) -> int:
-        return len(self.keys)
-
-    @property
-    def num_steps(self) -> int:
-        return self.spec.num_steps
-
-    def leaf_nodes(self) -> torch.Tensor:
-        return torch.nonzero(self.depth == self.num_steps).flatten()
-
-    def paths(self, leaves=None) -> torch.Tensor:
-        """(B, T+1) node indices of the root-to-leaf path of each leaf (default: all)."""
-        nodes = self.leaf_nodes() if leaves is None else self.leaf_nodes()[torch.as_tensor(leaves)]
-        cols = [nodes]
-        for _ in range(self.num_steps):
-            cols.append(self.parent[cols[-1]])
-        return torch.stack(cols[::-1], 1)
 
     def path_trajectory(self, leaves=None) -> Trajectory:
         """Root-to-leaf paths as an independent :class:`Trajectory` (shared prefixes
@@ -226,6 +135,29 @@ class TreeTrajectory:
     def old_means(self, rows, t: int) -> torch.Tensor:
         """The rollout's transition means of the edges into nodes ``rows``."""
         return self.means[torch.as_tensor(rows)]
+
+
+@dataclass
+class TreePool(TreeLayout):
+    """A tree pool as Sol-RL reads it (Sol-RL, "FP4 Explore, BF16 Train", Sec. 3): the
+    leaves' images, which selection scores, and the layout and keys from which
+    :func:`diffrl.sampling.subtree.regenerate_subtree` picks a sub-tree and redraws its
+    noise. No per-node latent, mean or noise: nothing reads a pool's, and each was as
+    large as all the nodes' latents."""
+
+    parent: torch.Tensor  # (N,) long, -1 for roots
+    depth: torch.Tensor  # (N,) long
+    tree: torch.Tensor  # (N,) long, local tree index
+    ordinal: torch.Tensor  # (N,) long, index among the tree's nodes at this depth
+    sigmas: torch.Tensor  # (T+1,)
+    step_kinds: list[str]  # (T,) as explored (the regeneration steps the same way)
+    noise_levels: list[float]  # (T,)
+    spec: TreeSpec
+    root_keys: list[tuple]  # (P,)
+    cond_rows: list[int]  # (P,)
+    keys: list[tuple]  # (L,) leaf keys
+    nfe: int = 0
+    images: torch.Tensor | None = None  # (L, ...) decoded leaves; dropped once scored
 
 
 def trees_from_keys(keys, leaves: int) -> tuple[list[tuple], list[int]]:
@@ -264,14 +196,15 @@ class TreeGrowth:
     """What every level of a tree rollout shares (model, prompts, schedule, step rule),
     and the per-node tensors recorded level by level in the level-major layout.
     :func:`rollout_tree` grows whole trees with it, and
-    :func:`diffrl.sampling.subtree.regenerate_subtree` a pool's sub-tree."""
+    :func:`diffrl.sampling.subtree.regenerate_subtree` a pool's sub-tree. ``record=False``
+    keeps nothing per node (a Sol-RL pool: only the last level, the leaves, is used)."""
 
-    def __init__(self, adapter, transformer, cond, cond_rows, sigmas, kinds, levels, settings):
+    def __init__(self, adapter, transformer, cond, cond_rows, sigmas, kinds, levels, settings, record=True):
         self.adapter, self.transformer, self.cond, self.cond_rows = adapter, transformer, cond, cond_rows
         self.sigmas, self.kinds, self.levels = sigmas, list(kinds), list(levels)
         self.sigma_1 = float(sigmas[1]) if len(sigmas) > 1 else None
         self.batch_size, self.reduction = settings.batch_size, settings.logprob_reduction
-        self.nfe = 0
+        self.nfe, self.record = 0, record
         self.rows = {k: [] for k in ("latents", "means", "noise", "log_probs", "stds", "std_ts")}
 
     def start(self, roots: torch.Tensor) -> torch.Tensor:
@@ -308,6 +241,8 @@ class TreeGrowth:
         return res.next_latents
 
     def _record(self, *values) -> None:
+        if not self.record:
+            return
         for rows, value in zip(self.rows.values(), values, strict=True):
             rows.append(value)
 
@@ -318,10 +253,18 @@ class TreeGrowth:
 
 @torch.no_grad()
 def rollout_tree(
-    adapter, transformer, cond, keys, cfg, iteration: int = 0, spec: TreeSpec | None = None
-) -> TreeTrajectory:
+    adapter,
+    transformer,
+    cond,
+    keys,
+    cfg,
+    iteration: int = 0,
+    spec: TreeSpec | None = None,
+    keep_steps: bool = True,
+) -> TreeTrajectory | TreePool:
     """Grow one tree per prompt group in ``keys`` (``cond`` has one row per key) and decode
-    the leaves. ``spec`` defaults to the config's ``tree`` section."""
+    the leaves. ``spec`` defaults to the config's ``tree`` section. ``keep_steps=False``
+    (a Sol-RL exploration pool) keeps no per-node tensor and returns a :class:`TreePool`."""
     cfg = SamplerSettings.of(cfg)
     spec = spec or TreeSpec.from_config(cfg)
     roots, cond_rows = trees_from_keys(list(keys), spec.leaves)
@@ -332,7 +275,7 @@ def rollout_tree(
     draw_scales = spec.draw_scales()
     lay = spec.layout(len(roots))
 
-    grow = TreeGrowth(adapter, transformer, cond, cond_rows, sigmas, kinds, levels, cfg)
+    grow = TreeGrowth(adapter, transformer, cond, cond_rows, sigmas, kinds, levels, cfg, keep_steps)
     x = grow.start(rng.to_device(initial_noise(shape, [(*r, 0) for r in roots]), adapter.device))
     for t, kind in enumerate(kinds):
         here = lay["depth"] == t
@@ -341,10 +284,9 @@ def rollout_tree(
         b = spec.factors[t]
         parent_pos = torch.arange(len(ord_of)).repeat_interleave(b)
         child_ord = ord_of.repeat_interleave(b) * b + torch.arange(b).repeat(len(ord_of))
-        eps = _edge_noise(shape, roots, tree_of[parent_pos], child_ord, kind, t, draw_scales[t])
+        eps = edge_noise(shape, roots, tree_of[parent_pos], child_ord, kind, t, draw_scales[t])
         x = grow.level(t, x, tree_of, parent_pos, rng.to_device(eps, x.device))
-    traj = TreeTrajectory(
-        **grow.node_tensors(),
+    layout = dict(
         parent=lay["parent"],
         depth=lay["depth"],
         tree=lay["tree"],
@@ -358,13 +300,17 @@ def rollout_tree(
         keys=[(*r, j) for r in roots for j in range(spec.leaves)],
         nfe=grow.nfe,
     )
+    if not keep_steps:  # the last level is the leaves, in ``keys`` order
+        return TreePool(**layout, images=decode_chunks(adapter, x, cfg.batch_size))
+    traj = TreeTrajectory(**grow.node_tensors(), **layout)
     traj.images = decode_leaves(adapter, traj, cfg.batch_size)
     return traj
 
 
-def _edge_noise(shape, roots, child_tree, child_ord, kind: str, t: int, scale: float) -> torch.Tensor:
+def edge_noise(shape, roots, child_tree, child_ord, kind: str, t: int, scale: float) -> torch.Tensor:
     """The noise of the edges into the children at step ``t``: keyed by (root, ordinal,
-    "sde", t), times the split's draw scale; zeros on an ODE step."""
+    "sde", t), times the split's draw scale; zeros on an ODE step. Each edge's draw
+    depends on its key alone, so any subset of a level redraws bit for bit."""
     if kind == "ode":
         return torch.zeros((len(child_ord), *shape))
     keys = [(*roots[k], j) for k, j in zip(child_tree.tolist(), child_ord.tolist())]
@@ -373,7 +319,17 @@ def _edge_noise(shape, roots, child_tree, child_ord, kind: str, t: int, scale: f
 
 def decode_leaves(adapter, traj: TreeTrajectory, batch_size: int) -> torch.Tensor:
     """The decoded images of ``traj``'s leaves, ``batch_size`` at a time."""
-    leaves = traj.latents[traj.leaf_nodes()]
-    return torch.cat(
-        [adapter.decode(leaves[s : s + batch_size]).float() for s in range(0, len(leaves), batch_size)]
-    )
+    return decode_chunks(adapter, traj.latents[traj.leaf_nodes()], batch_size)
+
+
+def decode_chunks(adapter, leaves: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The decoded images of the latents ``leaves``, ``batch_size`` at a time, written into
+    one tensor allocated at the first chunk (a list of chunks joined at the end would hold
+    every image twice for a moment: a pool's images are its largest buffer)."""
+    out = None
+    for s in range(0, len(leaves), batch_size):
+        images = adapter.decode(leaves[s : s + batch_size]).float()
+        if out is None:
+            out = images.new_empty((len(leaves), *images.shape[1:]))
+        out[s : s + len(images)] = images
+    return out

@@ -25,6 +25,12 @@ def latent_numel(cfg) -> int:
     return _family(cfg).latent_numel(cfg.model)
 
 
+def image_numel(cfg) -> int:
+    """Elements of one decoded sample (RGB, times the frames of a video), as decoded."""
+    frames = cfg.model.num_frames if _family(cfg).is_video_family() else 1
+    return 3 * frames * cfg.model.height * cfg.model.width
+
+
 def _tree_numbers(cfg, trees_per_process: int) -> dict[str, float]:
     """Per-process rollout and training numbers of BranchGRPO trees at iteration 0."""
     from diffrl.algorithms.tree_credit import trained_edge_counts
@@ -48,14 +54,20 @@ def _tree_numbers(cfg, trees_per_process: int) -> dict[str, float]:
     }
 
 
-def _solrl_numbers(cfg) -> dict[str, float]:
+def _solrl_numbers(cfg, num_processes: int) -> dict[str, float]:
     """Sol-RL's pool and regeneration cost per iteration. A tree sub-tree's size depends
-    on which leaves are selected, so its regeneration NFE is an upper bound (every
-    selected leaf on its own branch wherever the tree allows)."""
+    on which leaves are selected, so its regeneration NFE and its nodes are upper bounds
+    (every selected leaf on its own branch wherever the tree allows).
+
+    The pool keeps its decoded images until they are scored, and a tree pool its node
+    layout (four int64 per node); no per-step latent or mean (:mod:`diffrl.algorithms.solrl`).
+    Those images are freed before the regeneration: a rollout-time buffer, never alive
+    with the update's activations."""
     from diffrl.sampling.tree import TreeSpec
 
     sol, prompts, k = cfg.solrl, cfg.rollout.prompts_per_step, cfg.rollout.group_size
     steps = cfg.sampling.num_steps
+    pool_bytes = prompts * sol.pool_size * image_numel(cfg) * 4
     out = {"solrl_pool_size": sol.pool_size}
     if cfg.rollout.strategy == "tree":
         from diffrl.algorithms.tree_credit import depth_pruned_steps
@@ -65,6 +77,9 @@ def _solrl_numbers(cfg) -> dict[str, float]:
         pruned = depth_pruned_steps(cfg.tree, 0)
         explore = prompts * spec.nfe_per_tree()
         regenerate = prompts * sum(min(spec.nodes_at(t), k) for t in range(steps))
+        pool_bytes += prompts * sum(spec.nodes_at(d) for d in range(steps + 1)) * 4 * 8
+        # the regenerated sub-tree stores latents, means and noise per kept node
+        out["subtree_nodes_max"] = prompts * sum(min(spec.nodes_at(d), k) for d in range(steps + 1))
         if not _trains_clean_samples(cfg):  # NFT trains the leaves, as independent samples
             out["trained_transitions_per_iteration_max"] = prompts * sum(
                 min(spec.nodes_at(t + 1), k)
@@ -78,6 +93,7 @@ def _solrl_numbers(cfg) -> dict[str, float]:
         **out,
         "solrl_explore_nfe_per_iteration": explore,
         "solrl_regenerate_nfe_per_iteration": regenerate,
+        "solrl_pool_mib_per_process": pool_bytes / num_processes / 2**20,
     }
 
 
@@ -125,12 +141,14 @@ def _rollout_and_training(cfg, num_processes: int) -> dict[str, float]:
         "solrl": {},
     }
     if cfg.solrl.enabled:
-        solrl = _solrl_numbers(cfg)
+        solrl = _solrl_numbers(cfg, num_processes)
         out["rollout_nfe"] = (
             solrl["solrl_explore_nfe_per_iteration"] + solrl["solrl_regenerate_nfe_per_iteration"]
         )
-        # a sub-tree's edges depend on the selection: report the bound, not a count
+        # a sub-tree's edges and nodes depend on the selection: report the bounds, not counts
         out["trained_rows"] = solrl.pop("trained_transitions_per_iteration_max", out["trained_rows"])
+        if "subtree_nodes_max" in solrl:  # latents, means, noise per node, as for a whole tree
+            out["traj_bytes"] = 3 * solrl.pop("subtree_nodes_max") / num_processes * latent_numel(cfg) * 4
         out["solrl"] = solrl
     elif cfg.rollout.strategy == "tree" and not _trains_clean_samples(cfg):
         tree = _tree_numbers(cfg, cfg.rollout.prompts_per_step // num_processes)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from diffrl.config import load_config
-from diffrl.perf.estimate import estimate_built
+from diffrl.perf.estimate import TRANSIENT_PARTS, estimate_built
 from diffrl.perf.holdings import PeakBeforeOptimizerStep, live_tensor_bytes
 from tests.training.fsdp_memory_probe import MID_SIZE
 
@@ -61,7 +61,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_estimate_matches_what_a_mid_size_run_holds(case, mid_size_toy, tmp_path):
     measured, parts = _measured_and_estimated(tmp_path, CASES[case])
-    held = sum(v for k, v in parts.items() if k != "activations")  # freed before the step
+    held = sum(v for k, v in parts.items() if k not in TRANSIENT_PARTS)  # freed before the step
     assert measured > 30 * MIB  # the widened toy really is mid-size
     assert abs(measured - held) <= 0.03 * held + 1 * MIB, (
         measured / MIB,
@@ -71,7 +71,7 @@ def test_estimate_matches_what_a_mid_size_run_holds(case, mid_size_toy, tmp_path
 
 def test_estimate_matches_what_a_tiny_full_fine_tune_holds(tmp_path):
     measured, parts = _measured_and_estimated(tmp_path, CASES["full fine-tune, KL reference, EMA"])
-    held = sum(v for k, v in parts.items() if k != "activations")
+    held = sum(v for k, v in parts.items() if k not in TRANSIENT_PARTS)
     assert abs(measured - held) <= 0.05 * held + 0.25 * MIB, (
         measured / MIB,
         {k: v / MIB for k, v in parts.items()},
@@ -99,7 +99,7 @@ def test_the_estimate_counts_buffers(monkeypatch, tmp_path):
         sd3, "SD3Transformer2DModel", lambda **kw: original(**{**kw, "pos_embed_max_size": 128})
     )
     measured, parts = _measured_and_estimated(tmp_path, ["solrl.enabled=true"], "tiny_sd3_flowgrpo")
-    held = sum(v for k, v in parts.items() if k != "activations")
+    held = sum(v for k, v in parts.items() if k not in TRANSIENT_PARTS)
     assert parts["transformer (frozen)"] > 2 * MIB  # the table is counted ...
     assert parts["exploration copy"] > 2 * MIB  # ... in the exploration copy too
     assert abs(measured - held) <= 0.05 * held + 0.25 * MIB, (

@@ -25,9 +25,8 @@ def _stage_run(trainer, step=0):
     cond = trainer.adapter.encode_prompts(plan.prompts)
     stage = trainer.solrl
     with torch.no_grad():
-        pool = stage.explore(
-            trainer.adapter, stage.explorer(trainer.adapter.transformer), cond, plan.keys, step
-        )
+        model = stage.explorer(trainer.adapter.transformer)
+        pool = stage.explore(trainer.adapter, model, cond, plan.keys, step, keep_steps=True)
     out = stage.run(trainer.adapter, trainer.adapter.transformer, cond, plan.prompts, plan.keys, step)
     return pool, out, plan
 
