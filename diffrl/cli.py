@@ -97,10 +97,10 @@ def main(argv=None) -> int:
             from diffrl.twin import full_size_overrides
 
             cfg = load_config(args.config, full_size_overrides(cfg) + list(args.overrides))
+        _check_inputs(cfg)  # before --overwrite may clear a run: a typo must not cost it
         if args.dry_run:
             import os
 
-            _check_inputs(cfg)
             print(format_plan(derive(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
             return 0
         _claim_run_dir(cfg.run_dir, args)
@@ -137,8 +137,8 @@ def _interrupted_message(cfg) -> str:
 
 
 def _check_inputs(cfg) -> None:
-    """What a real start checks before loading weights: reward names and argument names,
-    and the prompt files (for ``--dry-run``)."""
+    """What every start checks before touching the run directory or loading weights: reward
+    names and argument names, and the prompt files."""
     from diffrl.training.data import check_image_column, load_prompts
     from rewards.combine import check_reward_specs
 

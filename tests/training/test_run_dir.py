@@ -96,3 +96,19 @@ def test_tensorboard_is_on_by_default_and_a_missing_tracker_is_a_note(tmp_path):
     notes = []
     assert installed_trackers(["tensorboard", "no_such_tracker"], log=notes.append) == ["tensorboard"]
     assert notes and "'no_such_tracker' but it is not installed" in notes[0]
+
+
+@pytest.mark.parametrize(
+    "typo", [["--set", "rewards=[{name: hpsv9}]"], ["--set", "data.train_prompts=missing_prompts.txt"]]
+)
+def test_overwrite_with_a_typo_fails_before_it_deletes_the_earlier_run(tmp_path, capsys, typo):
+    """A bad reward name or prompt file is one error, and --overwrite has not yet cleared
+    the run it was about to replace (the check used to come after the clearing)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "config.yaml").write_text("run_name: earlier\n")
+    assert _cli(run, "--overwrite", *typo) == 2
+    assert "error:" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (run / "config.yaml").is_file()
