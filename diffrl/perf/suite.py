@@ -175,7 +175,7 @@ def iteration_overrides(family: str, cpu: bool, output_dir: str) -> tuple[str, l
 def measure_iteration(cfg, device: torch.device, sharding: str = "none") -> dict:
     """Two training iterations of ``cfg``: the second's seconds, the memory measured
     (GiB; see the module docstring) and the estimate of the same parts."""
-    from diffrl.perf.estimate import estimate_built
+    from diffrl.perf.estimate import TRANSIENT_PARTS, estimate_built
     from diffrl.perf.holdings import PeakBeforeOptimizerStep, live_tensor_bytes
     from diffrl.training.trainer import Trainer
 
@@ -195,10 +195,11 @@ def measure_iteration(cfg, device: torch.device, sharding: str = "none") -> dict
     parts = estimate_built(
         cfg, trainer.adapter, trainer.policy, trainer.reward_fn, trainer.acc.num_processes, sharding
     )
-    if not cuda:
-        parts.pop("activations")  # the inventory cannot see them
+    if not cuda:  # the inventory runs before an optimizer step, when neither exists
+        for transient in TRANSIENT_PARTS:
+            parts.pop(transient, None)
     # what exists before the first step: no gradients, AdamW moments, activations or rollouts
-    rollout = ("activations", "trajectory buffer", "rollout conditioning")
+    rollout = (*TRANSIENT_PARTS, "trajectory buffer", "rollout conditioning")
     at_start = (
         sum(v for k, v in parts.items() if k not in rollout) - 0.75 * parts["trainable + grads + AdamW"]
     )
