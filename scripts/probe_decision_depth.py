@@ -6,6 +6,7 @@ split steps and an SDE window that follow from it, and draw the curve.
     python scripts/probe_decision_depth.py --config toy_flowgrpo
     python scripts/probe_decision_depth.py --config toy_flowgrpo --prompts 32 --children 8 --out probe/
     python scripts/probe_decision_depth.py --config RUN/config.yaml --checkpoint RUN/checkpoints/step-100
+    python scripts/probe_decision_depth.py --compare base=a/probe.json late=b/probe.json --out cmp/
 
 Cost: prompts x children x T(T+1)/2 transformer rows (T = sampling.num_steps), so a real
 model wants few prompts. Writes probe.json and probe.png to --out. The method is in
@@ -22,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="config name or path")
+    p.add_argument("--config", help="config name or path")
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="LABEL=PROBE.json",
+        help="instead of probing: put earlier probes side by side (a table and compare.png)",
+    )
     p.add_argument("--checkpoint", default="base", help="'base' or a checkpoints/step-N directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--prompts", type=int, default=16, help="prompts, evenly spaced through the file")
@@ -107,9 +114,39 @@ def record(args, steps: int, curve, advice) -> dict:
     }
 
 
+def compare(specs: list[str], out: Path) -> int:
+    """Earlier probes side by side: each step's share and the cumulative share per probe."""
+    from diffrl.evaluation import decision_depth as dd
+
+    curves = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            raise ValueError(f"--compare takes LABEL=PATH/probe.json entries; got '{spec}'")
+        curves[label] = dd.DepthCurve.from_dict(json.loads(Path(path).read_text()))
+    steps = max(len(c.variance) for c in curves.values())
+    print("| step | " + " | ".join(f"{k} share | {k} cumulative" for k in curves) + " |")
+    print("|---|" + "---|---|" * len(curves))
+    for k in range(steps):
+        cells = [
+            f"{c.share[k]:.3f} | {c.cumulative_share[k]:.3f}" if k < len(c.share) else "- | -"
+            for c in curves.values()
+        ]
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    out.mkdir(parents=True, exist_ok=True)
+    dd.plot_many(curves, out / "compare.png")
+    print(f"wrote {out / 'compare.png'}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from diffrl.evaluation import decision_depth as dd
+
+    if args.compare:
+        return compare(args.compare, args.out or Path("outputs/probe_decision_depth/compare"))
+    if not args.config:
+        raise ValueError("give --config NAME to probe, or --compare LABEL=probe.json ... to compare probes")
 
     cfg, curve, steps, window = measure(args)
     advice = dd.recommend(curve, splits=args.splits, window=window)

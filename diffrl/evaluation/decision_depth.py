@@ -69,6 +69,12 @@ class DepthCurve:
             "sde_type": self.sde_type,
         }
 
+    @classmethod
+    def from_dict(cls, record: dict) -> DepthCurve:
+        """The curve of a ``probe.json`` (:meth:`as_dict` plus the run's details)."""
+        keys = ("variance", "standard_error", "mean_reward", "prompts", "children", "noise_level", "sde_type")
+        return cls(**{k: record[k] for k in keys})
+
 
 def _velocity_rows(adapter, transformer, x, sigma: float, cond, batch: int) -> torch.Tensor:
     """The velocity of every row of ``x`` at ``sigma``, ``batch`` rows per forward."""
@@ -203,6 +209,39 @@ def plot(curve: DepthCurve, path, title: str = "") -> None:
     twin.set_ylim(0, 1.05)
     twin.set_ylabel("cumulative share")
     ax.set_title(title or f"{curve.prompts} prompts x {curve.children} children per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_many(curves: dict[str, DepthCurve], path, title: str = "") -> None:
+    """Several probes on one figure (e.g. two worlds, or a base and its RL checkpoint):
+    each step's share of the variance as grouped bars, the cumulative shares as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / max(len(curves), 1)
+    twin = ax.twinx()
+    for i, (label, curve) in enumerate(curves.items()):
+        steps = list(range(len(curve.variance)))
+        colour = f"C{i}"
+        ax.bar(
+            [k + (i - (len(curves) - 1) / 2) * width for k in steps],
+            curve.share,
+            width,
+            color=colour,
+            label=label,
+        )
+        twin.plot(steps, curve.cumulative_share, color=colour, marker="o")
+    ax.set_xlabel("branch step k (0 = pure noise)")
+    ax.set_ylabel("share of the between-sibling variance (bars)")
+    twin.set_ylim(0, 1.05)
+    twin.set_ylabel("cumulative share (lines)")
+    ax.legend(loc="center right", fontsize=8)
+    ax.set_title(title or "where the reward is decided")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -93,3 +93,15 @@ def test_the_script_writes_the_curve_and_a_plot(tmp_path):
     assert len(record["variance"]) == record["num_steps"] == len(record["cumulative_share"])
     assert (out / "probe.png").stat().st_size > 1000
     assert record["recommendation"]["sde_window"][1] <= record["num_steps"]
+    # a written probe reads back as the same curve, and --compare puts probes side by side
+    curve = DepthCurve.from_dict(record)
+    assert curve.cumulative_share == pytest.approx(record["cumulative_share"])
+    assert (
+        main(
+            ["--compare", f"a={out / 'probe.json'}", f"b={out / 'probe.json'}", "--out", str(tmp_path / "c")]
+        )
+        == 0
+    )
+    assert (tmp_path / "c" / "compare.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="LABEL=PATH/probe.json"):
+        main(["--compare", str(out / "probe.json"), "--out", str(tmp_path / "c")])
