@@ -17,6 +17,7 @@ seed means (diffrl/evaluation/seed_groups.py):
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -112,11 +113,33 @@ def summary(runs: dict[str, list[dict]], main: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _base_row(path: str) -> dict:
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ReportError(f"--base-eval {path}: not a scripts/evaluate.py --json file ({err})") from None
+    return {"step": 0, "wall_time": 0.0, **{k: v for k, v in record.items() if k.startswith("eval")}}
+
+
+def _with_base(rows: list[dict], base: dict | None) -> list[dict]:
+    """``rows`` with the base's evaluation as step 0 unless the run evaluated step 0 itself."""
+    if base is None or any(r.get("step") == 0 for r in rows):
+        return rows
+    return [base] + rows
+
+
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories; NAME=DIR to label one")
     ap.add_argument("--out", help="output directory (default: the first run's)")
+    ap.add_argument(
+        "--base-eval",
+        help="scripts/evaluate.py --json of the base: the step-0 evaluation of runs started "
+        "without one (eval.at_start=false), so curves start at the base and fidelity and "
+        "diversity read as ratios to it",
+    )
     args = ap.parse_args(argv)
+    base_row = _base_row(args.base_eval) if args.base_eval else None
     runs, groups = {}, {}
     for spec in args.runs:
         name, sep, paths = spec.partition("=")
@@ -126,7 +149,7 @@ def main(argv=None) -> Path:
         name = name if sep else dirs[0].name
         if name in groups:
             raise ReportError(f"two runs are named '{name}'; label them NAME=DIR so each name is used once")
-        groups[name] = [load_run(d) for d in dirs]
+        groups[name] = [_with_base(load_run(d), base_row) for d in dirs]
         for i, rows in enumerate(groups[name]):
             runs[name if len(dirs) == 1 else f"{name}/{dirs[i].name}"] = rows
     first = args.runs[0].partition("=")[2] or args.runs[0]
@@ -135,6 +158,7 @@ def main(argv=None) -> Path:
     specs, main_key = build_panels(runs)
     seeded = any(len(g) > 1 for g in groups.values())
     if seeded:
+        panels(group_panels(groups)).save(out / "methods.png")  # the seed means alone, for docs
         specs = group_panels(groups) + specs
     panels(specs).save(out / "report.png")
     text = summary(runs, main_key) + (f"\n{methods_table(groups)}" if seeded else "")

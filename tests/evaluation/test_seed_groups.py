@@ -123,3 +123,30 @@ def test_nfe_axis_is_the_rollout_nfe_spent_so_far_averaged_over_seeds():
     xs = [x for x, _ in curve([cheap, costly], HELDOUT, x="nfe")]
     assert xs == [0.0, (1000 + 3000) / 2, (1100 + 3300) / 2]  # steps 10 and 20: 10 and 11 iterations
     assert "| both | 2 | 10 | 10.0 | 2,000 | 0.400" in methods_table({"both": [cheap, costly]})
+
+
+def test_a_base_evaluation_gives_runs_started_without_one_their_step_0(tmp_path):
+    """Comparison runs skip the step-0 evaluation (every method shares the base); --base-eval
+    supplies it from scripts/evaluate.py --json, so darkness and diversity read as ratios to
+    the base instead of '-', and the seed means alone are drawn in methods.png."""
+    for name, darkness in (("s0", 2.0), ("s1", 4.0)):
+        rows = _rows([0.4, 0.5], [darkness, darkness], steps=(10, 20))
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = {"checkpoint": "base", HELDOUT: 0.3, DARKNESS: 1.0, "eval/diversity": 0.1}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    out = load_script("report").main(
+        [
+            f"tree={tmp_path / 's0'},{tmp_path / 's1'}",
+            "--base-eval",
+            str(tmp_path / "base.json"),
+            "--out",
+            str(tmp_path / "r"),
+        ]
+    )
+    table = (out / "summary.md").read_text()
+    assert "| tree | 2 | 0 | 0.0 | - | 0.300 ± 0.000 [0.300, 0.300] |" in table
+    assert "| 3.00x | 2.00x |" in table  # darkness (2 + 4) / 2 over the base's 1; diversity 0.2 / 0.1
+    assert Image.open(out / "methods.png").size[0] > 0
+    with pytest.raises(Exception, match="--base-eval"):
+        load_script("report").main([f"tree={tmp_path / 's0'}", "--base-eval", str(tmp_path / "nope.json")])
