@@ -261,12 +261,14 @@ class ObjectiveConfig:
     train_cfg: bool = _f(True, "Apply CFG when recomputing velocities for the loss (as in the rollout).")
     anchor_coef: float = _f(
         0.0,
-        "Velocity anchor on the steps the objective does not train (outside the SDE window): "
-        "anchor_coef * mean ||v_theta - v_ref||^2 on the rollout's own states there. "
-        "Keeps the untrained low-noise steps from drifting (docs/ALGORITHMS.md).",
+        "Velocity anchor on the steps the objective does not train (outside the SDE window; "
+        "for trees, their ODE steps): anchor_coef * mean ||v_theta - v_ref||^2 on the rollout's "
+        "own states there. Keeps the untrained low-noise steps from drifting (docs/ALGORITHMS.md).",
     )
     anchor_fraction: float = _f(
-        0.25, "Share of the untrained steps anchored per micro-batch (keyed random subset)."
+        0.25,
+        "Share of the untrained steps anchored per micro-batch (keyed random subset); for trees, "
+        "the share of the nodes at each untrained step anchored per epoch.",
     )
     nft_beta: float = _f(1.0, "DiffusionNFT: step size beta of the implicit positive/negative policies.")
     nft_old_decay_flat: int = _f(

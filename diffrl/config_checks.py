@@ -58,10 +58,23 @@ def check(cfg) -> None:
     _check_model(cfg)
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
-    if obj.anchor_coef > 0 and cfg.rollout.strategy == "tree":
+    _check_tree_anchor(cfg)
+
+
+def _check_tree_anchor(cfg) -> None:
+    """Trees anchor their ODE steps through the edge plan, which only the transition
+    objectives use: a clean-sample objective trains a tree's leaves as independent samples."""
+    from diffrl.algorithms import get_objective
+
+    name = cfg.objective.name
+    if (
+        cfg.objective.anchor_coef > 0
+        and cfg.rollout.strategy == "tree"
+        and get_objective(name).forward_process
+    ):
         raise ConfigError(
-            "objective.anchor_coef works with independent rollouts only (rollout.strategy: "
-            "independent); trees train the steps their edges cover: set objective.anchor_coef to 0"
+            f"objective.anchor_coef on trees needs a transition objective (flow_grpo family); {name} "
+            "trains the leaves as independent samples: set objective.anchor_coef to 0"
         )
 
 

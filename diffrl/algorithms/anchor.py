@@ -9,8 +9,11 @@ low-noise steps (docs/notes/2026-11-shapeworld-history.md). The anchor restrains
     L_anchor = anchor_coef * mean_i ||v_theta(x_t^i, t) - v_ref(x_t^i, t)||^2
 
 on the rollout's own states x_t^i at untrained steps t, with v_ref the reference policy
-(LoRA disabled, or the frozen copy). It is the velocity-space KL that DiffusionNFT (Zheng
-et al. 2025, Sec. 3) adds to its loss, applied where the policy-gradient loss is absent;
+(LoRA disabled, or the frozen copy). BranchGRPO trees (Li et al. 2025) train only their
+stochastic edges, so their ODE steps are anchored the same way, on the nodes there
+(:func:`diffrl.training.passes.add_tree_anchors`). It is the velocity-space KL that
+DiffusionNFT (Zheng et al. 2025, Sec. 3) adds to its loss, applied where the
+policy-gradient loss is absent;
 for two Gaussians of equal std it is proportional to their KL (Flow-GRPO, Eq. 11).
 
 No reference implementation: this term is ours (issue 15).

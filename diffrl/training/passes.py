@@ -25,6 +25,11 @@ transitions.
 
 Both give the same number of optimizer steps per epoch for the same number of samples
 (leaves): ceil(ceil(samples / micro_batch_size) / gradient_accumulation).
+
+The velocity anchor (``objective.anchor_coef``, :mod:`diffrl.algorithms.anchor`) adds
+passes on the untrained steps: per micro-batch for independent trajectories
+(:func:`sample_major`), and for trees a keyed share of the nodes at each ODE step, spread
+over the optimizer steps like edges (:func:`add_tree_anchors`).
 """
 
 from __future__ import annotations
@@ -272,4 +277,71 @@ def _group_passes(
             counted = (keep[chunk] & chunk_live).tolist()
             flags = None if all(counted) else counted
             passes.append(Pass(chunk.tolist(), t, (sum(counted), den), flags))
+    return passes
+
+
+def tree_anchor_counts(depth: torch.Tensor, anchored, cfg) -> dict[int, int]:
+    """Anchor rows per untrained step that :func:`add_tree_anchors` plans:
+    ceil(``objective.anchor_fraction`` x the nodes at that step), as
+    :func:`step_edge_counts` is for edges (what processes compare)."""
+    fraction = PassSettings.of(cfg).anchor_fraction
+    at_depth = torch.bincount(depth, minlength=max(anchored, default=0) + 2).tolist()  # one host read
+    return {t: math.ceil(fraction * at_depth[t + 1]) for t in anchored if at_depth[t + 1]}
+
+
+def add_tree_anchors(
+    groups: list[list[Pass]],
+    depth: torch.Tensor,
+    anchored,
+    cfg,
+    step: int,
+    epoch: int,
+    keep: torch.Tensor | None = None,
+    pad_to: dict[int, int] | None = None,
+) -> list[list[Pass]]:
+    """``groups`` (:func:`edge_major`'s optimizer steps) with velocity-anchor passes on a
+    tree's untrained steps ``anchored`` (its ODE steps) appended.
+
+    The state x_t of a node at ODE step t is anchored through its edge into its only
+    child (splits are stochastic, so an ODE step never branches): a row is that child,
+    which :meth:`TreeTrajectory.transition` maps back to x_t. Each step keeps a keyed
+    :func:`tree_anchor_counts` share of its nodes, spread over the optimizer steps like
+    edges. ``keep`` (per node) weighs a row 0 when False. ``pad_to`` (step -> count, the
+    maximum over processes) pads with dead rows as :func:`edge_major` does, so every
+    process runs the same passes. The anchor passes of an optimizer step average over
+    its counted anchor rows, apart from the policy passes (the policy loss is not
+    rescaled), as in :func:`sample_major`.
+
+    The term is ours (no reference implementation): DiffusionNFT's velocity-space KL
+    (Zheng et al. 2025, Sec. 3) at the steps BranchGRPO's edges (Li et al. 2025) leave
+    untrained; see :mod:`diffrl.algorithms.anchor`."""
+    s = PassSettings.of(cfg)
+    if not groups:
+        return groups
+    keep = torch.ones_like(depth, dtype=torch.bool) if keep is None else keep.bool()
+    counts, n = tree_anchor_counts(depth, anchored, s), len(groups)
+    parts: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+    for t in sorted(set(counts) | set(pad_to or {})):
+        children = torch.nonzero(depth == t + 1).flatten()
+        perm = torch.randperm(len(children), generator=rng.generator(s.seed, "anchor", step, epoch, t))
+        nodes = children[perm[: counts.get(t, 0)]]
+        dead = max(len(nodes), (pad_to or {}).get(t, 0)) - len(nodes)
+        rows = torch.cat([nodes, children[:1].repeat(dead)])  # DDP padding: a real node, weight 0
+        flags = torch.tensor(keep[nodes].tolist() + [False] * dead, dtype=torch.bool)
+        for i, (part, live) in enumerate(zip(torch.tensor_split(rows, n), torch.tensor_split(flags, n))):
+            if len(part):  # rotated by t, as edges are, so the remainder moves between steps
+                parts[(i + t) % n].append((t, part, live))
+    return [passes + _anchor_passes(mine, s.micro_batch_size) for passes, mine in zip(groups, parts)]
+
+
+def _anchor_passes(parts: list[tuple[int, torch.Tensor, torch.Tensor]], mb: int) -> list[Pass]:
+    """One optimizer step's anchor rows in passes of at most ``mb`` rows, each weighted by
+    its counted rows over the step's counted anchor rows (1 if none count)."""
+    den = sum(sum(live.tolist()) for _, _, live in parts) or 1
+    passes = []
+    for t, part, live in parts:
+        for i in range(0, len(part), mb):
+            counted = live[i : i + mb].tolist()
+            flags = None if all(counted) else counted
+            passes.append(Pass(part[i : i + mb].tolist(), t, (sum(counted), den), flags, anchor=True))
     return passes

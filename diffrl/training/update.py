@@ -22,7 +22,15 @@ from accelerate.utils import DistributedType
 from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.sampling import rng
-from diffrl.training.passes import Pass, PassSettings, edge_major, sample_major, step_edge_counts
+from diffrl.training.passes import (
+    Pass,
+    PassSettings,
+    add_tree_anchors,
+    edge_major,
+    sample_major,
+    step_edge_counts,
+    tree_anchor_counts,
+)
 from diffrl.training.sharding import max_over_processes, mean_over_processes, reshard, whole
 
 
@@ -158,42 +166,69 @@ class Updater:
         ctx = self.loss_context()
         advantages, keep, train = credit.advantages, credit.keep, credit.edges
         if train is None:
-            # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
-            trainable = self._forward_steps(traj) if self.forward_process else traj.trainable_steps()
-            if not trainable:
-                raise ValueError(
-                    "no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty"
-                )
-            anchored = (
-                [t for t in range(traj.num_steps) if t not in trainable]
-                if s.objective.anchor_coef > 0
-                else []
-            )
-
-            whole = _prompt_groups(traj, range(len(traj.keys))) if self.whole_groups else None
-
-            def plan(epoch):
-                return sample_major(len(traj.keys), trainable, s.passes, step, epoch, anchored, keep, whole)
+            plan = self._sample_plan(traj, keep, step)
         else:
             # everything pruned on every process: nothing to update. Asked of all processes
             # (a collective): one with no edges of its own still runs the padded passes
             if not _any_process(self.acc, bool(train.any())):
                 return {}
-
-            pad_to = self._common_edge_counts(train, traj)
-            several = self.acc.num_processes > 1
-            mean = (lambda counts: mean_over_processes(self.acc, counts)) if several else None
-
-            def plan(epoch):
-                return edge_major(
-                    train, traj.depth, traj.num_leaves, s.passes, step, epoch, keep, pad_to, mean
-                )
+            plan = self._tree_plan(traj, train, keep, step)
 
         totals: dict[str, list] = defaultdict(list)
         for epoch in range(s.num_inner_epochs):
             for passes in plan(epoch):
                 self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
         return _means(totals, self.acc.device)
+
+    def _sample_plan(self, traj, keep, step: int):
+        """The per-epoch pass plan of independent trajectories (:func:`sample_major`)."""
+        s = self.settings
+        # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
+        trainable = self._forward_steps(traj) if self.forward_process else traj.trainable_steps()
+        if not trainable:
+            raise ValueError(
+                "no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty"
+            )
+        anchored = (
+            [t for t in range(traj.num_steps) if t not in trainable] if s.objective.anchor_coef > 0 else []
+        )
+
+        whole = _prompt_groups(traj, range(len(traj.keys))) if self.whole_groups else None
+
+        def plan(epoch):
+            return sample_major(len(traj.keys), trainable, s.passes, step, epoch, anchored, keep, whole)
+
+        return plan
+
+    def _tree_plan(self, traj, train, keep, step: int):
+        """The per-epoch pass plan of trees: :func:`edge_major` over the trained edges, and
+        with the anchor, :func:`add_tree_anchors` on the ODE steps (the steps no edge
+        trains). A tree none of whose nodes counts (dropped for a non-finite reward, or
+        filtered for zero variance) is not anchored, as such samples are not when
+        independent."""
+        s = self.settings
+        pad_to = self._common_edge_counts(train, traj)
+        several = self.acc.num_processes > 1
+        mean = (lambda counts: mean_over_processes(self.acc, counts)) if several else None
+        anchored = [t for t, k in enumerate(traj.step_kinds) if k == "ode"]
+        if s.objective.anchor_coef <= 0:
+            anchored = []
+        if anchored:
+            anchor_pad = self._common_anchor_counts(traj, anchored)
+            tree = traj.tree.cpu()
+            kept_trees = torch.zeros(traj.num_trees, dtype=torch.bool)
+            kept_trees[tree[keep.cpu().bool()]] = True
+            anchor_keep = kept_trees[tree]
+
+        def plan(epoch):
+            groups = edge_major(train, traj.depth, traj.num_leaves, s.passes, step, epoch, keep, pad_to, mean)
+            if anchored:
+                groups = add_tree_anchors(
+                    groups, traj.depth, anchored, s.passes, step, epoch, anchor_keep, anchor_pad
+                )
+            return groups
+
+        return plan
 
     def _forward_steps(self, traj) -> list[int]:
         """A clean-sample objective may noise x0 to any step's sigma; ``objective.
@@ -210,6 +245,16 @@ class Updater:
             return None
         local = [0] * traj.num_steps
         for t, n in step_edge_counts(train, traj.depth, self.settings.passes).items():
+            local[t] = n
+        return {t: n for t, n in enumerate(max_over_processes(self.acc, local)) if n > 0}
+
+    def _common_anchor_counts(self, traj, anchored) -> dict[int, int] | None:
+        """Per-step anchor rows, the maximum over processes (as :meth:`_common_edge_counts`:
+        sub-trees differ in node counts). None on one process."""
+        if self.acc.num_processes == 1:
+            return None
+        local = [0] * traj.num_steps
+        for t, n in tree_anchor_counts(traj.depth, anchored, self.settings.passes).items():
             local[t] = n
         return {t: n for t, n in enumerate(max_over_processes(self.acc, local)) if n > 0}
 

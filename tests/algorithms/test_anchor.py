@@ -1,6 +1,7 @@
 """The velocity anchor on untrained steps: its loss against the formula, its pass plan
 (the policy passes are unchanged, anchor passes only on untrained steps), and a short
-run where it keeps the untrained steps closer to the reference than no anchor does."""
+run where it keeps the untrained steps closer to the reference than no anchor does.
+The same for trees is in tests/algorithms/test_tree_anchor.py."""
 
 import math
 from fractions import Fraction
@@ -73,9 +74,11 @@ def test_anchor_passes_leave_the_policy_plan_unchanged_and_cover_only_untrained_
         assert len(anchors) == 2 * per_micro_batch  # two accumulated micro-batches
 
 
-def test_anchor_is_rejected_for_trees_and_bad_values():
-    with pytest.raises(ConfigError, match="anchor_coef"):
-        load_config("toy_branchgrpo", ["objective.anchor_coef=1.0"])
+def test_anchor_is_accepted_on_trees_for_transition_objectives_only_and_bad_values_are_rejected():
+    assert load_config("toy_branchgrpo", ["objective.anchor_coef=1.0"]).objective.anchor_coef == 1.0
+    # a clean-sample objective trains a tree's leaves as independent samples: no edge plan to anchor
+    with pytest.raises(ConfigError, match="anchor_coef on trees needs a transition objective"):
+        load_config("toy_branchgrpo", ["objective.anchor_coef=1.0", "objective.name=nft"])
     with pytest.raises(ConfigError, match="anchor_fraction"):
         load_config("toy_flowgrpo", ["objective.anchor_fraction=0"])
 
