@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# The method table on the late-step world (docs/BENCHMARKS.md, "Where the tree and the
-# low-precision pool pay off"): flow-GRPO, AWM (the fastest clean-sample objective on the
-# ShapeWorld base), the late tree (toy_late_branchgrpo), Sol-RL with an independent NVFP4
-# pool (16 candidates, best 4 + worst 4 regenerated in BF16) and Sol-RL with a tree pool
-# (the late tree's 16 leaves explored in NVFP4, best 4 + worst 4 regenerated as a BF16
-# sub-tree). Every method spends about the rollout NFE of ITERATIONS flow-GRPO iterations.
-# Run it in the same OUT_DIR as `scripts/compare_tree.sh late` to reuse its flow-GRPO
-# (independent) and tree_late runs.
-#   scripts/compare_late_methods.sh OUT_DIR [ITERATIONS=30] [SEEDS="0 1 2"]
+# The method table on the late-step world (docs/BENCHMARKS.md, "The methods on the late-step
+# world"): flow-GRPO, AWM (the fastest clean-sample objective on the ShapeWorld base), the late
+# tree (toy_late_branchgrpo), Sol-RL with an independent NVFP4 pool (16 candidates, best 4 +
+# worst 4 regenerated in BF16) and Sol-RL with a tree pool (the late tree's 16 leaves explored
+# in NVFP4, best 4 + worst 4 regenerated as a BF16 sub-tree). Every method works on the steps
+# where this world's texture is decided, [4, 8) (scripts/compare_tree.sh late measured flow-GRPO
+# there against the probe's top-three window [0, 4)), and spends about the rollout NFE of
+# ITERATIONS flow-GRPO iterations. Run it in the same OUT_DIR as `scripts/compare_tree.sh late`
+# to reuse its independent_window48 and tree_late runs.
+#   scripts/compare_late_methods.sh OUT_DIR [ITERATIONS=24] [SEEDS="0 1 2"]
 set -euo pipefail
 out=${1:?usage: scripts/compare_late_methods.sh OUT_DIR [ITERATIONS] [SEEDS]}
-n=${2:-30}
+n=${2:-24}
 seeds=${3:-0 1 2}
 every=$((n / 3))
 equal() { echo "--set train.max_steps=$((n * 2560 / $1)) --set eval.every=$((every * 2560 / $1))"; }
 solrl="--set solrl.enabled=true --set solrl.precision=nvfp4 --set solrl.backend=reference \
 --set solrl.select=best_worst --set solrl.pool_size=16 --set rollout.group_size=8 --set perf.compile_rollout=true"
 exec "$(dirname "$0")/compare_runs.sh" "$out" "$n" "$every" "$seeds" \
-  "independent=toy_late_flowgrpo" \
-  "awm=toy_late_flowgrpo --set objective.name=awm --set objective.awm_huber_power=0.25 \
---set objective.awm_advantage_max=1.0 --set objective.awm_ema_beta=1.0 --set objective.nft_old_decay_rate=0.001 \
---set objective.nft_old_decay_max=0.3 --set objective.forward_window=[0,4]" \
+  "independent_window48=toy_late_flowgrpo --set sampling.sde_window=[4,8]" \
+  "awm_window48=toy_late_flowgrpo --set sampling.sde_window=[4,8] --set objective.name=awm \
+--set objective.awm_huber_power=0.25 --set objective.awm_advantage_max=1.0 --set objective.awm_ema_beta=1.0 \
+--set objective.nft_old_decay_rate=0.001 --set objective.nft_old_decay_max=0.3 --set objective.forward_window=[4,8]" \
   "tree_late=toy_late_branchgrpo $(equal 816)" \
-  "solrl_independent=toy_late_flowgrpo $solrl --set objective.anchor_coef=0.01 $(equal 3840)" \
+  "solrl_independent=toy_late_flowgrpo --set sampling.sde_window=[4,8] $solrl $(equal 3840)" \
   "solrl_tree=toy_late_branchgrpo $solrl $(equal 1376)"
