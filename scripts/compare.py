@@ -40,6 +40,12 @@ def parse_args(argv=None):
     ap.add_argument(
         "--scale", type=int, help="integer pixel zoom of the PNG tiles (default: to about 160 px)"
     )
+    ap.add_argument(
+        "--groups-per-row",
+        type=int,
+        default=1,
+        help="prompt x seed groups side by side in the PNG (1: one per row; 3 makes a wide figure)",
+    )
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--out", default="outputs/compare")
     return ap.parse_args(argv)
@@ -57,6 +63,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.num_prompts < 1:
         raise CompareError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.groups_per_row < 1:
+        raise CompareError(f"--groups-per-row must be at least 1, got {args.groups_per_row}")
     cfg = load_config(args.config, args.set)
     try:
         scales = [float(w) for w in args.rlg_scales.split(",")] if args.rlg_scales else []
@@ -75,7 +83,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     names = [c.name for c in columns]
     main_reward = cfg.rewards[0].key
-    pages = grid_pages(tiles, names, main_reward, args.rows_per_page, args.scale)
+    pages = grid_pages(tiles, names, main_reward, args.rows_per_page, args.scale, args.groups_per_row)
     for i, page in enumerate(pages):
         page.save(out / (f"grid_{i + 1}.png" if len(pages) > 1 else "grid.png"))
     write_jsonl(tiles, out / "scores.jsonl")

@@ -16,6 +16,7 @@ from diffrl.evaluation.plots import LINE_PX, frame_strip, wrap_caption
 
 LABEL_H = 4 * LINE_PX + 4  # name, score, and the prompt over two lines under the first column
 GAP = 6  # px of white between tiles
+GROUP_GAP = 18  # more between prompt groups placed side by side
 MIN_TILE = 160  # px: room for a caption
 STRIP_FRAMES = 4
 
@@ -36,37 +37,53 @@ def _caption(tile, main: str | None) -> str:
 
 
 def grid_pages(
-    tiles, columns: list[str], main_reward: str | None, rows_per_page: int, scale: int | None = None
+    tiles,
+    columns: list[str],
+    main_reward: str | None,
+    rows_per_page: int,
+    scale: int | None = None,
+    groups_per_row: int = 1,
 ):
-    """PIL pages: rows prompt x seed, columns in ``columns`` order, a caption per tile
-    (column, main score and its change against base; the prompt and seed under the
-    first column). ``scale`` zooms tiles by an integer factor (default: to ~160 px)."""
-    rows = sorted({(t.prompt_index, t.seed) for t in tiles})
+    """PIL pages: one group per prompt x seed (its tiles in ``columns`` order, a caption per
+    tile: column, main score and its change against base; the prompt and seed under the
+    group), ``groups_per_row`` groups side by side (1: one group per row, the sortable
+    layout; 3-4: a wide figure for a README), ``rows_per_page`` groups per page. ``scale``
+    zooms tiles by an integer factor (default: to ~160 px)."""
+    groups = sorted({(t.prompt_index, t.seed) for t in tiles})
     by_key = {(t.prompt_index, t.seed, t.column): t for t in tiles}
     sample = to_pil(tiles[0].image)
     scale = scale or max(1, -(-MIN_TILE // sample.width))
     w, h = sample.width * scale, sample.height * scale
     cell_w, cell_h = w + GAP, h + LABEL_H + GAP
+    group_w = cell_w * len(columns) + GROUP_GAP
     pages = []
-    for start in range(0, len(rows), rows_per_page):
-        chunk = rows[start : start + rows_per_page]
-        page = Image.new("RGB", (cell_w * len(columns) + GAP, cell_h * len(chunk) + GAP), (255, 255, 255))
+    for start in range(0, len(groups), rows_per_page):
+        chunk = groups[start : start + rows_per_page]
+        across = min(groups_per_row, len(chunk))
+        down = -(-len(chunk) // across)
+        page = Image.new("RGB", (group_w * across - GROUP_GAP + GAP, cell_h * down + GAP), (255, 255, 255))
         draw = ImageDraw.Draw(page)
-        for r, (p, s) in enumerate(chunk):
-            for c, name in enumerate(columns):
-                tile = by_key[(p, s, name)]
-                x, y = GAP + c * cell_w, GAP + r * cell_h
-                page.paste(to_pil(tile.image).resize((w, h), Image.NEAREST), (x, y))
-                draw.rectangle(
-                    (x - 1, y - 1, x + w, y + h), outline=(150, 150, 150)
-                )  # tiles never run together
-                lines = [(name, (0, 0, 0)), (_caption(tile, main_reward), (0, 0, 0))]
-                if c == 0:
-                    lines += [(t, (90, 90, 90)) for t in wrap_caption(f"seed {s}: {tile.prompt}", w, lines=2)]
-                for j, (text, colour) in enumerate(lines):
-                    draw.text((x, y + h + 2 + j * LINE_PX), text, fill=colour)
+        for g, (p, s) in enumerate(chunk):
+            group = [by_key[(p, s, name)] for name in columns]
+            origin = (GAP + (g % across) * group_w, GAP + (g // across) * cell_h)
+            _draw_group(page, draw, group, origin, (w, h), main_reward)
         pages.append(page)
     return pages
+
+
+def _draw_group(page, draw, group, origin, size, main_reward) -> None:
+    """One prompt x seed: its tiles left to right with a border each (tiles never run
+    together), the column name and main score under each, the prompt under the group."""
+    (x0, y), (w, h) = origin, size
+    for c, tile in enumerate(group):
+        x = x0 + c * (w + GAP)
+        page.paste(to_pil(tile.image).resize((w, h), Image.NEAREST), (x, y))
+        draw.rectangle((x - 1, y - 1, x + w, y + h), outline=(150, 150, 150))
+        for j, text in enumerate((tile.column, _caption(tile, main_reward))):
+            draw.text((x, y + h + 2 + j * LINE_PX), text, fill=(0, 0, 0))
+    caption = f"seed {group[0].seed}: {group[0].prompt}"
+    for j, text in enumerate(wrap_caption(caption, len(group) * (w + GAP) - GAP, lines=2)):
+        draw.text((x0, y + h + 2 + (2 + j) * LINE_PX), text, fill=(90, 90, 90))
 
 
 def write_jsonl(tiles, path: Path) -> None:

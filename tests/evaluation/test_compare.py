@@ -13,8 +13,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from diffrl.config import load_config
-from diffrl.evaluation.compare import CompareError
-from diffrl.evaluation.compare_report import GAP, LABEL_H
+from diffrl.evaluation.compare import CompareError, Tile
+from diffrl.evaluation.compare_report import GAP, GROUP_GAP, LABEL_H, grid_pages
 from diffrl.models import build_adapter
 from diffrl.training.data import PromptFileError
 from diffrl.training.policy import Policy
@@ -136,6 +136,32 @@ def test_rlg_columns_at_zero_and_one_are_base_and_the_checkpoint(tmp_path):
         assert not torch.equal(tiles[(p, "a@2")], aligned[p])
 
 
+def test_groups_side_by_side_put_each_tile_where_its_group_and_column_say():
+    """--groups-per-row 3: 7 prompt groups of 2 columns fill 3 rows of 3 groups (the last
+    row part empty); every tile's pixels sit at its group's column and row, and the gap
+    between groups is wider than between the columns of one group."""
+    w = h = 8
+    tiles = [
+        Tile(f"prompt {p}", p, 0, column, torch.full((3, h, w), (p * 2 + c + 1) / 20.0))
+        for p in range(7)
+        for c, column in enumerate(("base", "aligned"))
+    ]
+    (page,) = grid_pages(tiles, ["base", "aligned"], None, rows_per_page=12, scale=1, groups_per_row=3)
+    cell_w, cell_h = w + GAP, h + LABEL_H + GAP
+    group_w = 2 * cell_w + GROUP_GAP
+    assert page.size == (3 * group_w - GROUP_GAP + GAP, 3 * cell_h + GAP)
+    pixels = np.asarray(page)
+    for p in range(7):
+        for c in range(2):
+            x, y = GAP + (p % 3) * group_w + c * cell_w, GAP + (p // 3) * cell_h
+            expected = round((p * 2 + c + 1) / 20.0 * 255)
+            assert (pixels[y : y + h, x : x + w] == expected).all(), (p, c)
+    between_groups = pixels[GAP : GAP + h, GAP + 2 * cell_w - GAP + 1 : GAP + group_w - 1]
+    assert between_groups.shape[1] == GROUP_GAP + GAP - 2 and (between_groups == 255).all()
+    (one_per_row,) = grid_pages(tiles, ["base", "aligned"], None, rows_per_page=12, scale=1)
+    assert one_per_row.size == (GAP + 2 * cell_w, GAP + 7 * cell_h)
+
+
 def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
     script = _script()
     with pytest.raises(
@@ -153,6 +179,8 @@ def test_bad_inputs_are_one_clear_error(tmp_path, capsys):
     assert exit_info.value.code == 2 and "error: checkpoint 'x=" in capsys.readouterr().err
     with pytest.raises(CompareError, match="--num-prompts must be at least 1, got 0"):
         script.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", "base", "--num-prompts", "0"])
+    with pytest.raises(CompareError, match="--groups-per-row must be at least 1, got 0"):
+        script.main(["--config", "tiny_toy_flowgrpo", "--checkpoint", "base", "--groups-per-row", "0"])
     torn = _checkpoint("tiny_toy_flowgrpo", tmp_path / "torn", seed=0)
     weights = torn / "trainable.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
