@@ -25,7 +25,7 @@ case $world in
     ;;
   late)  # also the late tree's own control: independent rollouts with its window [4, 8)
     exec "$(dirname "$0")/compare_runs.sh" "$out" "$n" "$every" "$seeds" \
-      "independent=toy_late_flowgrpo" \
+      "independent=toy_late_flowgrpo --set sampling.sde_window=[0,4]" \
       "independent_window48=toy_late_flowgrpo --set sampling.sde_window=[4,8]" \
       "tree_shipped=toy_late_branchgrpo --set tree.split_steps=[0,1,2,3] --set sampling.sde_window=[0,4] $(equal 1776)" \
       "tree_probe=toy_late_branchgrpo --set tree.split_steps=[0,1,2] --set tree.branch_factors=[4,2,2] --set sampling.sde_window=[0,4] $(equal 2000)" \
