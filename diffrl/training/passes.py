@@ -231,30 +231,47 @@ def edge_major(
     per_group: list[list[tuple[int, torch.Tensor, int]]] = [[] for _ in range(n_groups)]
     counts = step_edge_counts(train, depth, s)
     for t in sorted(set(counts) | set(pad_to or {})):
-        edges = torch.nonzero(train & (depth - 1 == t)).flatten()
         # keyed by (seed, iteration, epoch, step): a resumed run shuffles the same way
-        perm = torch.randperm(len(edges), generator=rng.generator(s.seed, "edges", step, epoch, t))
-        edges = edges[perm[: counts.get(t, 0)]]  # the timestep_fraction share of this step
-        live = len(edges)
-        target = max(live, (pad_to or {}).get(t, 0))
-        if target > live:  # DDP padding: dead copies of a real node, forwarded with weight 0
-            filler = torch.nonzero(depth - 1 == t).flatten()[:1]
-            edges = torch.cat([edges, filler.repeat(target - live)])
-        alive = torch.arange(target) < live
-        # spread each step's edges over the optimizer steps; the offset t rotates which
-        # optimizer step gets the remainder, so a step with fewer edges than optimizer
-        # steps does not always land in the first ones
-        for i, (part, part_live) in enumerate(
-            zip(torch.tensor_split(edges, n_groups), torch.tensor_split(alive, n_groups))
-        ):
-            if len(part):
-                per_group[(i + t) % n_groups].append((t, part, part_live))
+        _spread_step(
+            per_group,
+            t,
+            torch.nonzero(train & (depth - 1 == t)).flatten(),
+            counts.get(t, 0),  # the timestep_fraction share of this step
+            (pad_to or {}).get(t, 0),
+            torch.nonzero(depth - 1 == t).flatten()[:1],
+            rng.generator(s.seed, "edges", step, epoch, t),
+        )
     groups = [parts for parts in per_group if parts]
     live = [[sum(a.tolist()) for _, _, a in parts] for parts in groups]
     if mean_over_processes is not None:  # one collective for every group (same layout everywhere)
         means = iter(mean_over_processes([n for counts in live for n in counts]))
         live = [[next(means) for _ in counts] for counts in live]
     return [_group_passes(parts, keep, s, counts) for parts, counts in zip(groups, live, strict=True)]
+
+
+def _spread_step(
+    per_group: list[list[tuple[int, torch.Tensor, torch.Tensor]]],
+    t: int,
+    candidates: torch.Tensor,
+    count: int,
+    pad: int,
+    filler: torch.Tensor,
+    generator: torch.Generator,
+) -> None:
+    """A keyed ``count`` of step ``t``'s ``candidates`` (node ids), padded to ``pad`` rows
+    with dead copies of ``filler`` (a real node at that depth, forwarded with weight 0: DDP
+    padding), spread over the optimizer steps in ``per_group`` as (t, rows, alive). The
+    offset t rotates which optimizer step gets the remainder, so a step with fewer rows
+    than optimizer steps does not always land in the first ones."""
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]]
+    live = len(chosen)
+    target = max(live, pad)
+    rows = torch.cat([chosen, filler.repeat(target - live)]) if target > live else chosen
+    alive = torch.arange(target) < live
+    n = len(per_group)
+    for i, (part, part_live) in enumerate(zip(torch.tensor_split(rows, n), torch.tensor_split(alive, n))):
+        if len(part):
+            per_group[(i + t) % n].append((t, part, part_live))
 
 
 def _group_passes(
@@ -323,14 +340,9 @@ def add_tree_anchors(
     parts: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
     for t in sorted(set(counts) | set(pad_to or {})):
         children = torch.nonzero(depth == t + 1).flatten()
-        perm = torch.randperm(len(children), generator=rng.generator(s.seed, "anchor", step, epoch, t))
-        nodes = children[perm[: counts.get(t, 0)]]
-        dead = max(len(nodes), (pad_to or {}).get(t, 0)) - len(nodes)
-        rows = torch.cat([nodes, children[:1].repeat(dead)])  # DDP padding: a real node, weight 0
-        flags = torch.tensor(keep[nodes].tolist() + [False] * dead, dtype=torch.bool)
-        for i, (part, live) in enumerate(zip(torch.tensor_split(rows, n), torch.tensor_split(flags, n))):
-            if len(part):  # rotated by t, as edges are, so the remainder moves between steps
-                parts[(i + t) % n].append((t, part, live))
+        generator = rng.generator(s.seed, "anchor", step, epoch, t)
+        _spread_step(parts, t, children, counts.get(t, 0), (pad_to or {}).get(t, 0), children[:1], generator)
+    parts = [[(t, rows, alive & keep[rows]) for t, rows, alive in mine] for mine in parts]
     return [passes + _anchor_passes(mine, s.micro_batch_size) for passes, mine in zip(groups, parts)]
 
 

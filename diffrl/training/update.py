@@ -210,9 +210,8 @@ class Updater:
         pad_to = self._common_edge_counts(train, traj)
         several = self.acc.num_processes > 1
         mean = (lambda counts: mean_over_processes(self.acc, counts)) if several else None
-        anchored = [t for t, k in enumerate(traj.step_kinds) if k == "ode"]
-        if s.objective.anchor_coef <= 0:
-            anchored = []
+        ode_steps = [t for t, k in enumerate(traj.step_kinds) if k == "ode"]
+        anchored = ode_steps if s.objective.anchor_coef > 0 else []
         if anchored:
             anchor_pad = self._common_anchor_counts(traj, anchored)
             tree = traj.tree.cpu()
@@ -241,20 +240,21 @@ class Updater:
         """Per-step edge counts, the maximum over processes: trees of different shapes
         (Sol-RL sub-trees) would otherwise give processes different passes, and every
         pass runs collectives. None on one process."""
-        if self.acc.num_processes == 1:
-            return None
-        local = [0] * traj.num_steps
-        for t, n in step_edge_counts(train, traj.depth, self.settings.passes).items():
-            local[t] = n
-        return {t: n for t, n in enumerate(max_over_processes(self.acc, local)) if n > 0}
+        return self._max_per_step(traj, lambda: step_edge_counts(train, traj.depth, self.settings.passes))
 
     def _common_anchor_counts(self, traj, anchored) -> dict[int, int] | None:
         """Per-step anchor rows, the maximum over processes (as :meth:`_common_edge_counts`:
         sub-trees differ in node counts). None on one process."""
+        passes = self.settings.passes
+        return self._max_per_step(traj, lambda: tree_anchor_counts(traj.depth, anchored, passes))
+
+    def _max_per_step(self, traj, local_counts) -> dict[int, int] | None:
+        """``local_counts()`` (step -> count on this process), the maximum over processes
+        of each step's count, steps with none left out. None on one process (nothing to agree)."""
         if self.acc.num_processes == 1:
             return None
         local = [0] * traj.num_steps
-        for t, n in tree_anchor_counts(traj.depth, anchored, self.settings.passes).items():
+        for t, n in local_counts().items():
             local[t] = n
         return {t: n for t, n in enumerate(max_over_processes(self.acc, local)) if n > 0}
 
