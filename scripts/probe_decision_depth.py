@@ -6,7 +6,12 @@ split steps and an SDE window that follow from it, and draw the curve.
     python scripts/probe_decision_depth.py --config toy_flowgrpo
     python scripts/probe_decision_depth.py --config toy_flowgrpo --prompts 32 --children 8 --out probe/
     python scripts/probe_decision_depth.py --config RUN/config.yaml --checkpoint RUN/checkpoints/step-100
+    python scripts/probe_decision_depth.py --config toy_late_flowgrpo \
+        --scores shapeworld_clause/shapes shapeworld_clause/texture_given_shapes
     python scripts/probe_decision_depth.py --compare base=a/probe.json late=b/probe.json --out cmp/
+
+--scores also measures named parts of the reward (the names the run logs, e.g. a verifier's
+clauses): a total decided early can hide a part that is decided late.
 
 Cost: prompts x children x T(T+1)/2 transformer rows (T = sampling.num_steps), so a real
 model wants few prompts. Writes probe.json and probe.png to --out. The method is in
@@ -40,6 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", type=int, default=3, help="split steps to recommend")
     p.add_argument("--window", type=int, default=None, help="SDE window width (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scores",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="logged scores of the reward to measure per step too (e.g. shapeworld_clause/shapes)",
+    )
     p.add_argument("--out", type=Path, default=None, help="default: outputs/probe_decision_depth/CONFIG")
     return p
 
@@ -83,6 +95,7 @@ def measure(args):
                 children=args.children,
                 batch=cfg.rollout.batch_size,
                 seed=args.seed,
+                scores=tuple(args.scores),
             )
     return cfg, curve, steps, args.window or max(end - start, 1)
 
@@ -93,6 +106,18 @@ def print_table(curve, advice) -> None:
         zip(curve.variance, curve.standard_error, curve.share, curve.cumulative_share, curve.mean_reward)
     ):
         print(f"| {k} | {v:.4g} | {e:.2g} | {s:.3f} | {c:.3f} | {r:.3f} |")
+    if curve.scores:
+        from diffrl.evaluation.decision_depth import decided_by
+
+        names = list(curve.scores)
+        print("\nshare of each part's between-sibling variance per step:\n")
+        print("| step | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        shares = {n: curve.score_share(n) for n in names}
+        for k in range(len(curve.variance)):
+            print(f"| {k} | " + " | ".join(f"{shares[n][k]:.3f}" for n in names) + " |")
+        for n in names:
+            half, most = decided_by(shares[n], 0.5), decided_by(shares[n], 0.8)
+            print(f"{n}: half decided by step {half}, 80% by step {most}")
     print("\n" + "\n".join(advice.lines()))
 
 

@@ -18,12 +18,20 @@ model, reward and prompt set:
 A step with no variance cannot produce a group advantage, so neither a split nor an SDE
 step there can teach anything: :func:`recommend` puts the splits at the steps with the
 largest variance and the window where a run of consecutive steps holds the most.
+
+A reward made of parts (a verifier's clauses, a weighted sum of rewards) can be decided at
+different depths: the total's curve may be dominated by a part the base already gets right
+while the part training must fix is decided later. ``scores`` names logged scores of the
+reward (its third output, e.g. ``shapeworld_clause/shapes``) whose between-sibling
+variance is measured the same way, per step. A score that is undefined for a sample (NaN,
+e.g. a clause that only some prompts have) is left out of that prompt's variance; a
+prompt with fewer than two defined children is left out of the mean.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,11 +50,15 @@ class DepthCurve:
     children: int
     noise_level: float
     sde_type: str
+    scores: dict[str, list[float]] = field(default_factory=dict)  # per-step variance of named parts
 
     @property
     def share(self) -> list[float]:
-        total = sum(self.variance)
-        return [v / total if total > 0 else 0.0 for v in self.variance]
+        return _shares(self.variance)
+
+    def score_share(self, name: str) -> list[float]:
+        """Each step's share of the named score's between-sibling variance."""
+        return _shares(self.scores[name])
 
     @property
     def cumulative_share(self) -> list[float]:
@@ -67,13 +79,47 @@ class DepthCurve:
             "children": self.children,
             "noise_level": self.noise_level,
             "sde_type": self.sde_type,
+            "scores": self.scores,
         }
 
     @classmethod
     def from_dict(cls, record: dict) -> DepthCurve:
         """The curve of a ``probe.json`` (:meth:`as_dict` plus the run's details)."""
         keys = ("variance", "standard_error", "mean_reward", "prompts", "children", "noise_level", "sde_type")
-        return cls(**{k: record[k] for k in keys})
+        return cls(**{k: record[k] for k in keys}, scores=record.get("scores", {}))
+
+
+def decided_by(shares: list[float], fraction: float) -> int:
+    """The first step whose cumulative share reaches ``fraction`` (the last step if none)."""
+    running = 0.0
+    for k, share in enumerate(shares):
+        running += share
+        if running >= fraction - 1e-9:  # shares are floats
+            return k
+    return len(shares) - 1
+
+
+def _shares(variance: list[float]) -> list[float]:
+    total = sum(v for v in variance if math.isfinite(v))
+    return [v / total if total > 0 and math.isfinite(v) else 0.0 for v in variance]
+
+
+def between_sibling_variance(values: torch.Tensor) -> tuple[float, float]:
+    """(mean over prompts, standard error) of the unbiased variance over each row of
+    ``values`` (prompts, children), NaN entries left out; rows with fewer than two defined
+    children are left out. NaN when no row has two."""
+    defined = ~values.isnan()
+    count = defined.sum(dim=1)
+    filled = torch.where(defined, values, torch.zeros_like(values))
+    mean = filled.sum(dim=1) / count.clamp(min=1)
+    squares = torch.where(defined, (values - mean[:, None]) ** 2, torch.zeros_like(values)).sum(dim=1)
+    usable = count >= 2
+    per_prompt = squares[usable] / (count[usable] - 1)
+    n = per_prompt.numel()
+    if n == 0:
+        return float("nan"), float("nan")
+    error = float(per_prompt.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
+    return float(per_prompt.mean()), error
 
 
 def _velocity_rows(adapter, transformer, x, sigma: float, cond, batch: int) -> torch.Tensor:
@@ -111,11 +157,13 @@ def probe(
     children: int = 8,
     batch: int = 64,
     seed: int = 0,
+    scores: tuple[str, ...] = (),
     log=print,
 ) -> DepthCurve:
     """Branch one ODE trajectory per prompt at every step into ``children`` (see the
     module docstring). ``reward_fn`` is a :class:`rewards.combine.MultiReward`
-    (images, prompts) -> (total, ...). Forward rows: prompts * children * T(T+1)/2."""
+    (images, prompts) -> (total, components, logs); ``scores`` names entries of ``logs``
+    measured per step too. Forward rows: prompts * children * T(T+1)/2."""
     if children < 2:
         raise ValueError(f"children must be at least 2 to measure a variance, not {children}")
     device = adapter.device
@@ -133,19 +181,31 @@ def probe(
     rows = [i for i in range(p) for _ in range(children)]
     child_cond, child_prompts = cond.select(rows), [prompts[i] for i in rows]
     variance, error, mean_reward = [], [], []
+    by_score: dict[str, list[float]] = {name: [] for name in scores}
     for k in range(num_steps):
         start = roots[k][rows]
         final = _run(
             adapter, transformer, start, child_cond, sigmas, k, sde_type, noise_level, sigma_1, gen, batch
         )
         images = torch.cat([adapter.decode(final[i : i + batch]).float() for i in range(0, len(rows), batch)])
-        reward = reward_fn(images, child_prompts)[0].float().reshape(p, children)
-        per_prompt = reward.var(dim=1, unbiased=True)
-        variance.append(float(per_prompt.mean()))
-        error.append(float(per_prompt.std(unbiased=True) / math.sqrt(p)) if p > 1 else float("nan"))
+        scored = reward_fn(images, child_prompts)
+        reward = scored[0].float().reshape(p, children)
+        v, e = between_sibling_variance(reward)
+        variance.append(v)
+        error.append(e)
         mean_reward.append(float(reward.mean()))
+        for name in scores:
+            by_score[name].append(between_sibling_variance(_logged(scored, name).reshape(p, children))[0])
         log(f"step {k}: between-sibling variance {variance[-1]:.4g} +- {error[-1]:.2g}")
-    return DepthCurve(variance, error, mean_reward, p, children, noise_level, sde_type)
+    return DepthCurve(variance, error, mean_reward, p, children, noise_level, sde_type, by_score)
+
+
+def _logged(scored: tuple, name: str) -> torch.Tensor:
+    """The logged score ``name`` of a MultiReward's output, or one error listing the names."""
+    logs = scored[2] if len(scored) > 2 else {}
+    if name not in logs:
+        raise ValueError(f"--scores: the reward logs no '{name}'; it logs {sorted(logs)}")
+    return logs[name].float()
 
 
 @dataclass
@@ -205,7 +265,12 @@ def plot(curve: DepthCurve, path, title: str = "") -> None:
     ax.set_xlabel("branch step k (0 = pure noise)")
     ax.set_ylabel("between-sibling reward variance")
     twin = ax.twinx()
-    twin.plot(steps, curve.cumulative_share, color="#dd8452", marker="o")
+    twin.plot(steps, curve.cumulative_share, color="#dd8452", marker="o", label="reward")
+    for i, name in enumerate(curve.scores):  # the named parts' cumulative shares, dashed
+        running = torch.tensor(curve.score_share(name)).cumsum(0).tolist()
+        twin.plot(steps, running, color=f"C{i + 2}", linestyle="--", marker=".", label=name)
+    if curve.scores:
+        twin.legend(loc="lower right", fontsize=7)
     twin.set_ylim(0, 1.05)
     twin.set_ylabel("cumulative share")
     ax.set_title(title or f"{curve.prompts} prompts x {curve.children} children per step")

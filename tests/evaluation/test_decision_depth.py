@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from diffrl.evaluation.decision_depth import DepthCurve, probe, recommend
+from diffrl.evaluation.decision_depth import (
+    DepthCurve,
+    between_sibling_variance,
+    decided_by,
+    probe,
+    recommend,
+)
 from diffrl.sampling.sde import step_mean_std
 from tests.helpers import load_script
 
@@ -78,6 +84,53 @@ def test_recommend_puts_splits_at_the_largest_steps_and_the_window_on_the_denses
     assert any("--set tree.split_steps=[2,3]" in line for line in advice.lines())
 
 
+def _final_value_with_parts(images, prompts):
+    """The total is the final value; ``late`` repeats it, ``half`` is defined only for
+    the odd children (NaN for the even ones), and ``fixed`` never varies."""
+    value = images.reshape(-1)
+    odd = torch.arange(value.numel()) % 2 == 1
+    parts = {"late": value, "half": torch.where(odd, value, torch.nan), "fixed": torch.ones_like(value)}
+    return value, value[:, None], parts
+
+
+def test_named_parts_are_measured_per_step_leaving_undefined_children_out():
+    curve = probe(
+        _StillAdapter(), None, _final_value_with_parts, ["a"] * 3, 4, "sde", 0.7,
+        children=400, batch=10**6, seed=1, scores=("late", "half", "fixed"), log=lambda _: None,
+    )  # fmt: skip
+    assert curve.scores["late"] == pytest.approx(curve.variance)
+    # half of the children: the same variance, estimated from 200 draws per prompt
+    for got, want in zip(curve.scores["half"], curve.variance):
+        assert got == pytest.approx(want, rel=4 * math.sqrt(2 / (3 * 199)))
+    assert curve.scores["fixed"] == [0.0] * 4
+    assert curve.score_share("late") == pytest.approx(curve.share)
+    assert DepthCurve.from_dict(curve.as_dict()).scores == curve.scores
+    with pytest.raises(ValueError, match="logs no 'typo'.*'fixed', 'half', 'late'"):
+        probe(
+            _StillAdapter(), None, _final_value_with_parts, ["a"], 2, "sde", 0.7,
+            children=2, scores=("typo",), log=lambda _: None,
+        )  # fmt: skip
+
+
+def test_between_sibling_variance_leaves_nan_out_and_matches_the_textbook_variance():
+    values = torch.tensor(
+        [[1.0, 2.0, 4.0, float("nan")], [3.0, float("nan"), float("nan"), 5.0], [7.0] + [float("nan")] * 3]
+    )
+    mean, error = between_sibling_variance(values)
+    first, second = (
+        torch.tensor([1.0, 2.0, 4.0]).var(),
+        torch.tensor([3.0, 5.0]).var(),
+    )  # the third row has one
+    assert mean == pytest.approx(float(first + second) / 2)
+    assert error == pytest.approx(float(torch.stack([first, second]).std() / math.sqrt(2)))
+    assert math.isnan(between_sibling_variance(torch.tensor([[1.0, float("nan")]]))[0])
+
+
+def test_decided_by_is_the_first_step_whose_cumulative_share_reaches_the_fraction():
+    shares = [0.1, 0.3, 0.2, 0.4]
+    assert [decided_by(shares, f) for f in (0.1, 0.4, 0.5, 0.6, 0.61, 1.0)] == [0, 1, 2, 2, 3, 3]
+
+
 def test_fewer_than_two_children_is_one_clear_error():
     with pytest.raises(ValueError, match="children must be at least 2"):
         probe(_StillAdapter(), None, _final_value, ["a"], 3, "sde", 0.7, children=1, log=lambda _: None)
@@ -93,6 +146,7 @@ def test_the_script_writes_the_curve_and_a_plot(tmp_path):
     assert len(record["variance"]) == record["num_steps"] == len(record["cumulative_share"])
     assert (out / "probe.png").stat().st_size > 1000
     assert record["recommendation"]["sde_window"][1] <= record["num_steps"]
+    assert record["scores"] == {}  # no parts asked for
     # a written probe reads back as the same curve, and --compare puts probes side by side
     curve = DepthCurve.from_dict(record)
     assert curve.cumulative_share == pytest.approx(record["cumulative_share"])
