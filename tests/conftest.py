@@ -7,6 +7,25 @@ from tests.helpers import CHECKOUT_OUTPUTS, tree_changes, tree_state
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _worker_threads() -> int | None:
+    """Under pytest-xdist (pyproject's addopts) each worker's share of the cores; None when
+    the tests run in one process. torch's default of one thread per core in every worker
+    oversubscribes the cores, and threads that wait for a core held by another worker slow
+    a test down tenfold: on the 2-core machine, two workers without the per-test reset
+    below took 17 min for the quick tier (the toy pretraining test, which sets 2 threads
+    through the toy CLI, 103 s against 9 s), and 8 min with it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
+WORKER_THREADS = _worker_threads()
+if WORKER_THREADS is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+
 FAMILIES = [
     "flux",
     "flux_kontext",
@@ -30,6 +49,20 @@ def tiny_cfg(tmp_path):
         return quick_config(f"tiny_{family}_flowgrpo", tmp_path / family, *overrides)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _threads_within_the_worker_s_share():
+    """Every test starts at the worker's share, and whatever a test set (the toy CLI's
+    --threads, a golden run's count) is undone before the next one."""
+    if WORKER_THREADS is None:
+        yield
+        return
+    import torch
+
+    torch.set_num_threads(WORKER_THREADS)
+    yield
+    torch.set_num_threads(WORKER_THREADS)
 
 
 @pytest.fixture(autouse=True)
