@@ -269,12 +269,15 @@ def plot(curve: DepthCurve, path, title: str = "") -> None:
     for i, name in enumerate(curve.scores):  # the named parts' cumulative shares, dashed
         running = torch.tensor(curve.score_share(name)).cumsum(0).tolist()
         twin.plot(steps, running, color=f"C{i + 2}", linestyle="--", marker=".", label=name)
-    if curve.scores:
-        twin.legend(loc="lower right", fontsize=7)
     twin.set_ylim(0, 1.05)
     twin.set_ylabel("cumulative share")
     ax.set_title(title or f"{curve.prompts} prompts x {curve.children} children per step")
-    fig.tight_layout()
+    if curve.scores:  # below the axes: inside, the legend hides the late steps' bars
+        fig.set_figheight(4.4)
+        fig.legend(loc="lower center", ncol=2, fontsize=7, frameon=False)
+        fig.tight_layout(rect=(0, 0.14, 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

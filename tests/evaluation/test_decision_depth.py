@@ -147,6 +147,13 @@ def test_the_script_writes_the_curve_and_a_plot(tmp_path):
     assert (out / "probe.png").stat().st_size > 1000
     assert record["recommendation"]["sde_window"][1] <= record["num_steps"]
     assert record["scores"] == {}  # no parts asked for
+    parts = tmp_path / "parts"
+    args = ["--config", "tiny_toy_flowgrpo", "--prompts", "2", "--children", "2", "--out", str(parts)]
+    assert main([*args, "--scores", "shapeworld_strict", "shapeworld_partial"]) == 0
+    by_part = json.loads((parts / "probe.json").read_text())["scores"]
+    assert sorted(by_part) == ["shapeworld_partial", "shapeworld_strict"]
+    assert all(len(v) == record["num_steps"] for v in by_part.values())
+    assert (parts / "probe.png").stat().st_size > 1000
     # a written probe reads back as the same curve, and --compare puts probes side by side
     curve = DepthCurve.from_dict(record)
     assert curve.cumulative_share == pytest.approx(record["cumulative_share"])
