@@ -30,6 +30,7 @@ prompt with fewer than two defined children is left out of the mean.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -62,11 +63,7 @@ class DepthCurve:
 
     @property
     def cumulative_share(self) -> list[float]:
-        out, running = [], 0.0
-        for s in self.share:
-            running += s
-            out.append(running)
-        return out
+        return _cumulative(self.share)
 
     def as_dict(self) -> dict:
         return {
@@ -91,12 +88,12 @@ class DepthCurve:
 
 def decided_by(shares: list[float], fraction: float) -> int:
     """The first step whose cumulative share reaches ``fraction`` (the last step if none)."""
-    running = 0.0
-    for k, share in enumerate(shares):
-        running += share
-        if running >= fraction - 1e-9:  # shares are floats
-            return k
-    return len(shares) - 1
+    reached = [k for k, c in enumerate(_cumulative(shares)) if c >= fraction - 1e-9]  # shares are floats
+    return reached[0] if reached else len(shares) - 1
+
+
+def _cumulative(shares: list[float]) -> list[float]:
+    return list(itertools.accumulate(shares))
 
 
 def _shares(variance: list[float]) -> list[float]:
@@ -108,12 +105,9 @@ def between_sibling_variance(values: torch.Tensor) -> tuple[float, float]:
     """(mean over prompts, standard error) of the unbiased variance over each row of
     ``values`` (prompts, children), NaN entries left out; rows with fewer than two defined
     children are left out. NaN when no row has two."""
-    defined = ~values.isnan()
-    count = defined.sum(dim=1)
-    filled = torch.where(defined, values, torch.zeros_like(values))
-    mean = filled.sum(dim=1) / count.clamp(min=1)
-    squares = torch.where(defined, (values - mean[:, None]) ** 2, torch.zeros_like(values)).sum(dim=1)
-    usable = count >= 2
+    count = (~values.isnan()).sum(dim=1)
+    squares = (values - values.nanmean(dim=1, keepdim=True)).pow(2).nansum(dim=1)
+    usable = count >= 2  # an all-NaN row's nanmean is NaN, but it is left out here
     per_prompt = squares[usable] / (count[usable] - 1)
     n = per_prompt.numel()
     if n == 0:
@@ -267,8 +261,14 @@ def plot(curve: DepthCurve, path, title: str = "") -> None:
     twin = ax.twinx()
     twin.plot(steps, curve.cumulative_share, color="#dd8452", marker="o", label="reward")
     for i, name in enumerate(curve.scores):  # the named parts' cumulative shares, dashed
-        running = torch.tensor(curve.score_share(name)).cumsum(0).tolist()
-        twin.plot(steps, running, color=f"C{i + 2}", linestyle="--", marker=".", label=name)
+        twin.plot(
+            steps,
+            _cumulative(curve.score_share(name)),
+            color=f"C{i + 2}",
+            linestyle="--",
+            marker=".",
+            label=name,
+        )
     twin.set_ylim(0, 1.05)
     twin.set_ylabel("cumulative share")
     ax.set_title(title or f"{curve.prompts} prompts x {curve.children} children per step")
