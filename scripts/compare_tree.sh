@@ -16,6 +16,9 @@ seeds=${4:-0 1 2}
 every=$((n / 3))
 # iterations (and evaluation interval) spending n x 2560 NFE at a tree's NFE per iteration
 equal() { echo "--set train.max_steps=$((n * 2560 / $1)) --set eval.every=$((every * 2560 / $1))"; }
+# the late trees were measured with two inner epochs, toy_late_branchgrpo's setting until
+# one epoch was found to stop its stall (compare_late_methods.sh, tree_late_epoch1)
+two="--set train.num_inner_epochs=2"
 case $world in
   shapeworld)
     exec "$(dirname "$0")/compare_runs.sh" "$out" "$n" "$every" "$seeds" \
@@ -27,9 +30,9 @@ case $world in
     exec "$(dirname "$0")/compare_runs.sh" "$out" "$n" "$every" "$seeds" \
       "independent=toy_late_flowgrpo --set sampling.sde_window=[0,4]" \
       "independent_window48=toy_late_flowgrpo --set sampling.sde_window=[4,8]" \
-      "tree_shipped=toy_late_branchgrpo --set tree.split_steps=[0,1,2,3] --set sampling.sde_window=[0,4] $(equal 1776)" \
-      "tree_probe=toy_late_branchgrpo --set tree.split_steps=[0,1,2] --set tree.branch_factors=[4,2,2] --set sampling.sde_window=[0,4] $(equal 2000)" \
-      "tree_late=toy_late_branchgrpo $(equal 816)"
+      "tree_shipped=toy_late_branchgrpo --set tree.split_steps=[0,1,2,3] --set sampling.sde_window=[0,4] $two $(equal 1776)" \
+      "tree_probe=toy_late_branchgrpo --set tree.split_steps=[0,1,2] --set tree.branch_factors=[4,2,2] --set sampling.sde_window=[0,4] $two $(equal 2000)" \
+      "tree_late=toy_late_branchgrpo $two $(equal 816)"
     ;;
   *) echo "world must be shapeworld or late, got '$world'" >&2; exit 2 ;;
 esac
