@@ -88,8 +88,8 @@ class DepthCurve:
 
 def decided_by(shares: list[float], fraction: float) -> int:
     """The first step whose cumulative share reaches ``fraction`` (the last step if none)."""
-    reached = [k for k, c in enumerate(_cumulative(shares)) if c >= fraction - 1e-9]  # shares are floats
-    return reached[0] if reached else len(shares) - 1
+    reached = (k for k, c in enumerate(_cumulative(shares)) if c >= fraction - 1e-9)  # shares are floats
+    return next(reached, len(shares) - 1)
 
 
 def _cumulative(shares: list[float]) -> list[float]:
