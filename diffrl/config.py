@@ -153,7 +153,14 @@ class PerfConfig:
     compile_rollout: bool = _f(
         False,
         "torch.compile the transformer the rollouts call (policy and reference-backend exploration copy; "
-        "the torchao copy is always compiled). Off by default: see docs/BENCHMARKS.md for where it pays.",
+        "the torchao copy is always compiled by block). On in the real-model configs; see "
+        "docs/BENCHMARKS.md for where it pays.",
+    )
+    compile_scope: Literal["blocks", "whole"] = _f(
+        "blocks",
+        "What compile_rollout compiles: each repeated transformer block once, reused by every block of "
+        "its class (regional compilation: compile time independent of depth; the training forward stays "
+        "eager), or the whole model as one graph.",
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = _f(
         "default", "torch.compile mode; reduce-overhead adds CUDA graphs (static shapes only, CUDA only)."
@@ -177,8 +184,11 @@ class SolRLConfig:
         "Candidates explored per prompt (a tree pool's leaf count); rollout.group_size of them are "
         "regenerated and trained.",
     )
-    precision: Literal["nvfp4", "fp8", "bf16"] = _f(
-        "nvfp4", "Exploration precision; bf16 explores with the policy itself (the control)."
+    precision: Literal["auto", "nvfp4", "fp8", "bf16"] = _f(
+        "auto",
+        "Exploration precision. auto follows the hardware: nvfp4 where FP4 GEMMs run (Blackwell, torchao), "
+        "fp8 where FP8 GEMMs run (Ada, Hopper), else fp8 numerics through the reference quantizer (no "
+        "speed-up). bf16 explores with the policy itself (the control).",
     )
     backend: Literal["auto", "reference", "modelopt", "torchao"] = _f(
         "auto", "Quantization backend; auto picks what the hardware really runs and logs it."

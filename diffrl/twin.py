@@ -84,6 +84,8 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         f"train.micro_batch_size={micro_batch}",
         "train.gradient_accumulation=1",
         "train.max_steps=1",
+        # compiling pays on a GPU; on the CPU a twin's smoke run would spend its time in inductor
+        "perf.compile_rollout=false",
         *_prompt_files(cfg.model.family),
         *QUIET_RUN,
         f"run_name={cfg.run_name}_tiny_twin",

@@ -68,12 +68,13 @@ def check_modes(text: str) -> list[str]:
     from diffrl.quant.backends import BACKENDS, PRECISIONS
 
     modes = text.split(",")
+    precisions = ("auto", *PRECISIONS)  # auto: what this hardware runs fastest
     for mode in modes:
         precision, _, backend = mode.partition(":")
-        if mode != "policy" and (precision not in PRECISIONS or (backend and backend not in BACKENDS)):
+        if mode != "policy" and (precision not in precisions or (backend and backend not in BACKENDS)):
             raise ConfigError(
                 f"--modes entry '{mode}': use policy or PRECISION[:BACKEND] with PRECISION one of "
-                f"{', '.join(PRECISIONS)} and BACKEND one of {', '.join(BACKENDS)}"
+                f"{', '.join(precisions)} and BACKEND one of {', '.join(BACKENDS)}"
             )
     return modes
 

@@ -1,7 +1,11 @@
 """Shared test helpers."""
 
+import base64
+import hashlib
 import importlib.util
 import os
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ def load_script(name: str):
     """Import ``scripts/<name>.py`` as a module (the scripts are not a package)."""
     spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
 
@@ -149,3 +154,31 @@ def tree_changes(before: dict, after: dict) -> list[str]:
     lines += [f"deleted {p}" for p in sorted(before.keys() - after.keys())]
     lines += [f"modified {p}" for p in sorted(before.keys() & after.keys()) if before[p] != after[p]]
     return lines
+
+
+def make_wheel(folder: Path, name: str, version: str, module_text: str = "", requires=()) -> Path:
+    """A minimal pure-Python wheel (PEP 427: the files, METADATA, WHEEL and a RECORD of
+    their hashes) holding one module ``name`` and declaring ``requires``."""
+    info = f"{name}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    files = {
+        f"{name}.py": module_text,
+        f"{info}/METADATA": metadata,
+        f"{info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: diffrl-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+
+    def digest(text: str) -> str:
+        raw = hashlib.sha256(text.encode()).digest()
+        return "sha256=" + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    record = "".join(f"{path},{digest(text)},{len(text.encode())}\n" for path, text in files.items())
+    files[f"{info}/RECORD"] = record + f"{info}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as whl:
+        for member, text in files.items():
+            whl.writestr(member, text)
+    return path

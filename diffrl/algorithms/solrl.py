@@ -108,6 +108,7 @@ class SolRLStage:
         self.stale = True
         self.syncs = 0
         self._compiled_copy = None
+        self._log = log
 
     def mark_stale(self) -> None:
         """Called after every optimizer step: the policy moved."""
@@ -127,7 +128,7 @@ class SolRLStage:
         if self._compiled_copy is None:
             from diffrl.perf.runtime import compiled
 
-            self._compiled_copy = compiled(self.copy.model, self.settings.perf)
+            self._compiled_copy = compiled(self.copy.model, self.settings.perf, log=self._log)
         return self._compiled_copy
 
     # -- stages -----------------------------------------------------------------------

@@ -126,10 +126,13 @@ def exploration_precision(
     (fp32 on the CPU twins).
 
     Like for like: every raced model is built eager (torchao's copy too) and, with
-    ``compile``, every one is wrapped in ``torch.compile`` the same way, so a ratio never
-    includes compile gains on one side only; every call runs under ``autocast`` when given
-    (training's ``train.mixed_precision``). Inductor settings that a backend changes (torchao
-    sets some at import) are restored afterwards, so later sections compile as before.
+    ``compile``, every one is compiled the same way, block by block
+    (:class:`diffrl.perf.regional.RegionalCompile`, ``fullgraph``), so a ratio never
+    includes compile gains on one side only. Each model's first call (its compilation,
+    and one run) happens before the timed rounds and is reported as ``first_call_s``.
+    Every call runs under ``autocast`` when given (training's ``train.mixed_precision``).
+    Inductor settings that a backend changes are restored afterwards, so later sections
+    compile as before.
     """
     import torch._inductor.config as inductor
 
@@ -143,10 +146,12 @@ def exploration_precision(
 def _race_precisions(adapter, modes, batch, steps, repeats, log, autocast, compile) -> list[dict]:
     base_mode = "bf16" if "bf16" in modes else modes[0]
     base_model = _exploration_model(adapter, base_mode, log, compile)
+    first_call = {base_mode: _first_call(adapter, base_model, batch, autocast)}
     dtype = str(next(adapter.transformer.parameters()).dtype).removeprefix("torch.")
     rows = {}
     for mode in [m for m in modes if m != base_mode] or [base_mode]:
         model = base_model if mode == base_mode else _exploration_model(adapter, mode, log, compile)
+        first_call.setdefault(mode, _first_call(adapter, model, batch, autocast))
         fns = {
             base_mode: F.velocity_fn(adapter, base_model, batch, autocast=autocast),
             mode: F.velocity_fn(adapter, model, batch, autocast=autocast),
@@ -165,25 +170,39 @@ def _race_precisions(adapter, modes, batch, steps, repeats, log, autocast, compi
             "images_per_s": batch / (rows[m]["seconds"] * steps),
             "speed_vs_bf16": rows[m]["ratio"],
             "peak_gib": rows[m]["peak_gib"],
-            "compiled": compile,
+            "compiled": "by block" if compile else False,
+            "first_call_s": first_call[m]["seconds"],
+            "compile_failed": first_call[m]["failed"],
             "autocast": str(autocast).removeprefix("torch.") if autocast else "no",
         }
         for m in modes
     ]
 
 
+def _first_call(adapter, model, batch: int, autocast) -> dict:
+    """The first call's seconds (compiling, and one run) and, if compiling failed, why."""
+    seconds, _ = timed(F.velocity_fn(adapter, model, batch, autocast=autocast), adapter.device)
+    return {"seconds": seconds, "failed": getattr(model, "failed", None)}
+
+
 def _exploration_model(adapter, mode: str, log, compile: bool = False):
-    """The model a mode explores with: eager, then compiled when asked (all alike)."""
+    """The model a mode explores with: eager, then compiled by block when asked (all alike)."""
+    from diffrl.quant.backends import compile_by_block
+
     if mode == "policy":
         model = adapter.transformer
-    else:
-        from diffrl.quant.backends import build_exploration_copy
+        if compile:  # the policy itself is compiled in place: keep a handle on its eager blocks
+            from diffrl.perf.regional import RegionalCompile
 
-        precision, _, backend = mode.partition(":")
-        model = build_exploration_copy(
-            adapter.transformer, adapter.family, precision, backend or "auto", log=log, compile=False
-        ).model
-    return torch.compile(model) if compile else model
+            return RegionalCompile(model, inference_only=True, log=None, fullgraph=True)
+        return model
+    from diffrl.quant.backends import build_exploration_copy
+
+    precision, _, backend = mode.partition(":")
+    model = build_exploration_copy(
+        adapter.transformer, adapter.family, precision, backend or "auto", log=log, compile=False
+    ).model
+    return compile_by_block(model) if compile else model
 
 
 # -- one training step --------------------------------------------------------------------

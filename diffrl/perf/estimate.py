@@ -53,7 +53,11 @@ REWARD_ARCH = {
     "temporal_consistency": "ViT-L-14",
 }
 IMAGEREWARD_PARAMS = 447e6
-EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0}  # per transformer weight, on Hopper
+# per transformer weight, on Hopper: auto is FP8 through torchao there (one byte), NVFP4
+# is simulated over BF16 weights (modelopt or the reference quantizer)
+EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0, "auto": 1.0}
+# torchao's NVFP4 on Blackwell: half a byte per weight and an E4M3 scale per 16
+NVFP4_PACKED_BYTES = 0.5 + 1 / 16
 POOL = "exploration pool"
 # parts not alive when the optimizer steps: activations (freed by the backward pass) and
 # the Sol-RL pool (freed once scored, before the regeneration)
@@ -252,9 +256,12 @@ def estimate_built(
 
 def _built_exploration_bytes(cfg, adapter) -> dict[str, float]:
     """Bytes per weight of the exploration copy the backend chosen on this device keeps."""
-    from diffrl.quant.backends import choose_backend
+    from diffrl.quant.backends import choose_backend, choose_precision
 
     element = next(adapter.transformer.parameters()).element_size()
-    backend = choose_backend(cfg.solrl.precision, cfg.solrl.backend)[0] if cfg.solrl.enabled else "none"
-    stored = 1.0 if (cfg.solrl.precision, backend) == ("fp8", "torchao") else float(element)
-    return {cfg.solrl.precision: stored}
+    if not cfg.solrl.enabled:
+        return {cfg.solrl.precision: float(element)}
+    precision = choose_precision(cfg.solrl.precision)[0]
+    backend = choose_backend(precision, cfg.solrl.backend)[0]
+    packed = {("fp8", "torchao"): 1.0, ("nvfp4", "torchao"): NVFP4_PACKED_BYTES}
+    return {cfg.solrl.precision: packed.get((precision, backend), float(element))}

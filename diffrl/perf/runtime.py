@@ -57,15 +57,33 @@ def _cloned(out):
 
 
 def compiled(module: torch.nn.Module, perf, log=print):
-    """``module`` wrapped in :class:`CompiledOrEager` when ``perf.compile_rollout``."""
+    """``module`` compiled as ``perf`` says, for rollouts: by block
+    (:class:`diffrl.perf.regional.RegionalCompile`, in place, gradients-off calls only,
+    ``fullgraph``; its first call's time is logged) or whole (:class:`CompiledOrEager`);
+    ``module`` itself when ``perf.compile_rollout`` is off."""
     if not perf.compile_rollout:
         return module
+    if perf.compile_mode == "reduce-overhead" and perf.compile_scope == "blocks":
+        raise ConfigError(
+            "perf.compile_mode: reduce-overhead replays one CUDA graph per block class, and a replay "
+            "overwrites the previous block's output (the next block's input); set perf.compile_scope: "
+            "whole for CUDA graphs"
+        )
     if perf.compile_mode == "reduce-overhead" and next(module.parameters()).device.type != "cuda":
         raise ConfigError(
             "perf.compile_mode: reduce-overhead captures CUDA graphs and needs a CUDA device; "
             "use the default mode on this machine"
         )
-    return CompiledOrEager(module, None if perf.compile_mode == "default" else perf.compile_mode, log)
+    mode = None if perf.compile_mode == "default" else perf.compile_mode
+    if perf.compile_scope == "blocks":
+        from diffrl.perf.regional import RegionalCompile, repeated_block_classes
+
+        if repeated_block_classes(module):
+            return RegionalCompile(
+                module, inference_only=True, log=log, label="perf.compile_rollout", mode=mode, fullgraph=True
+            )
+        log(f"perf.compile_rollout: {type(module).__name__} has no repeated blocks; compiling it whole")
+    return CompiledOrEager(module, mode, log)
 
 
 def apply_attention_backend(transformer: torch.nn.Module, name: str | None) -> None:

@@ -82,7 +82,9 @@ class Trainer:
             self.reward_fn.to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not fsdp)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
-        self.rollout_model = compiled(self.adapter.transformer, cfg.perf)
+        # by block (the default scope), in place: before the Sol-RL copy is made, which a
+        # deep copy leaves uncompiled (diffrl.perf.regional)
+        self.rollout_model = compiled(self.adapter.transformer, cfg.perf, log=self.acc.print)
         opt = torch.optim.AdamW(
             self.policy.trainable_parameters(),
             lr=cfg.optim.lr,

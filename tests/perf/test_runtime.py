@@ -37,7 +37,10 @@ def test_a_failed_compile_says_so_once_and_runs_eagerly():
 
 def test_cuda_graphs_need_cuda():
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        compiled(torch.nn.Linear(2, 2), _perf(compile_rollout="true", compile_mode="reduce-overhead"))
+        compiled(
+            torch.nn.Linear(2, 2),
+            _perf(compile_rollout="true", compile_mode="reduce-overhead", compile_scope="whole"),
+        )
 
 
 @pytest.fixture
@@ -71,27 +74,69 @@ def test_attention_backend_switch_and_its_errors(tiny_cfg, restore_attention_bac
             apply_attention_backend(adapter.transformer, "flash")
 
 
-def test_compiled_rollouts_match_eager_and_follow_weight_updates(tiny_cfg):
+@pytest.mark.parametrize("scope", ["blocks", "whole"])
+def test_compiled_rollouts_match_eager_and_follow_weight_updates(tiny_cfg, scope):
     """The real inductor path (on this CPU): the compiled policy agrees with eager, also
-    after an in-place update of its LoRA weights (what an optimizer step does)."""
+    after an in-place update of its LoRA weights (what an optimizer step does). By block,
+    the policy's own no-gradient calls run compiled too (in place), so eager is a deep
+    copy (which carries no compiled calls)."""
+    import copy
+
     from diffrl.training.policy import Policy
 
-    cfg = tiny_cfg("flux", "perf.compile_rollout=true")
+    cfg = tiny_cfg("flux", "perf.compile_rollout=true", f"perf.compile_scope={scope}")
     adapter = build_adapter(cfg.model)
     policy = Policy(adapter, cfg.model)
     lines = []
     fast = compiled(adapter.transformer, cfg.perf, log=lines.append)
     x, sigma, cond = velocity_inputs(adapter, 2)
+
+    def eager():
+        return adapter.velocity(copy.deepcopy(adapter.transformer), x, sigma, cond)
+
     with torch.no_grad():
-        assert torch.allclose(
-            adapter.velocity(fast, x, sigma, cond),
-            adapter.velocity(adapter.transformer, x, sigma, cond),
-            atol=1e-5,
-        )
-        before = adapter.velocity(adapter.transformer, x, sigma, cond)
+        before = eager()
+        assert torch.allclose(adapter.velocity(fast, x, sigma, cond), before, atol=1e-5)
         for p in policy.trainable_parameters():
             p.add_(0.1 * torch.randn_like(p))
-        after = adapter.velocity(adapter.transformer, x, sigma, cond)
+        after = eager()
         assert not torch.allclose(before, after, atol=1e-3)
         assert torch.allclose(adapter.velocity(fast, x, sigma, cond), after, atol=1e-5)
-    assert lines == []  # it compiled: no fallback
+    if scope == "whole":
+        assert lines == []  # it compiled: no fallback
+    else:  # one line, with the compile time, and no fallback
+        assert len(lines) == 1 and "compiled by block; first calls" in lines[0] and fast.failed is None
+
+
+def test_by_block_rollouts_leave_the_training_forward_eager(tiny_cfg):
+    """Gradients flow through the same blocks as before: the training forward of a
+    policy compiled for rollouts runs eagerly and gives eager's gradients."""
+    import copy
+
+    from diffrl.training.policy import Policy
+
+    cfg = tiny_cfg("flux", "perf.compile_rollout=true", "perf.compile_scope=blocks")
+    adapter = build_adapter(cfg.model)
+    policy = Policy(adapter, cfg.model)
+    twin = copy.deepcopy(adapter.transformer)
+    fast = compiled(adapter.transformer, cfg.perf, log=lambda _: None)
+    x, sigma, cond = velocity_inputs(adapter, 2)
+    with torch.no_grad():
+        adapter.velocity(fast, x, sigma, cond)  # compiles the no-gradient path
+    adapter.velocity(adapter.transformer, x, sigma, cond).square().sum().backward()
+    adapter.velocity(twin, x, sigma, cond).square().sum().backward()
+    twin_params = dict(twin.named_parameters())
+    for name, p in adapter.transformer.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, twin_params[name].grad)
+    assert policy.trainable_parameters()
+
+
+def test_cuda_graphs_by_block_are_refused():
+    """A CUDA-graph replay of one block's graph would overwrite the output of the block
+    before it, which is the next block's input."""
+    with pytest.raises(ConfigError, match="compile_scope: whole"):
+        compiled(
+            torch.nn.Linear(2, 2).to("meta"),
+            _perf(compile_rollout="true", compile_mode="reduce-overhead", compile_scope="blocks"),
+        )

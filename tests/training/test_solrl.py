@@ -239,3 +239,28 @@ def test_solrl_resume_equivalence(objective, tmp_path):
 def test_solrl_config_errors_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny_flux_solrl", [override])
+
+
+def test_rollouts_compiled_by_block_give_the_eager_run(tmp_path, monkeypatch):
+    """perf.compile_rollout with the default scope (by block) in a real Sol-RL run: the
+    policy's blocks compile in place before the exploration copy is made, the copy
+    compiles its own, and the run is the eager run (dynamo traces every block with
+    fullgraph; its 'eager' backend runs the traced graphs, so the numbers are eager's
+    and no C++ compile is paid here)."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    runs, lines = {}, []
+    for compiled in ("false", "true"):
+        trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path / compiled, f"perf.compile_rollout={compiled}"))
+        if compiled == "true":
+            trainer.acc.print = lines.append  # what the rollout model's first call logs
+            trainer.rollout_model._log = lines.append
+            trainer.solrl._log = lines.append
+        runs[compiled] = trainer.fit()
+    by_block = [line for line in lines if "compiled by block; first calls" in line]
+    assert len(by_block) == 2  # the policy's rollouts and the exploration copy
+    assert not any("failed" in line for line in lines)
+    for eager, fast in zip(runs["false"], runs["true"]):
+        assert fast["loss"] == pytest.approx(eager["loss"], rel=1e-4, abs=1e-6)
+        assert fast["reward/mean"] == pytest.approx(eager["reward/mean"], rel=1e-4, abs=1e-6)
