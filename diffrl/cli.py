@@ -11,6 +11,7 @@ from diffrl.training.plan import derive, format_plan
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Error types that mean bad input: printed as one line, never as a traceback."""
+    from diffrl.data import PromptSetError, UnknownPromptSet
     from diffrl.evaluation.compare import CompareError
     from diffrl.models.base import ModelLoadError
     from diffrl.training.checkpoint import CheckpointError
@@ -38,6 +39,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         TrainingStalledError,
         ImageFileError,
         RewardArgsError,
+        PromptSetError,
+        UnknownPromptSet,
     )
 
 

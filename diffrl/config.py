@@ -216,9 +216,18 @@ class SolRLConfig:
 @dataclass
 class DataConfig:
     train_prompts: str = _f(
-        "assets/prompts/tiny_train.txt", "Training prompt file (.txt one per line, or .jsonl with 'prompt')."
+        "assets/prompts/tiny_train.txt",
+        "Training prompts: a prompt set name (diffrl-data list: pickscore/train, geneval/train...) or a "
+        "file (.txt one per line, .jsonl with 'prompt', .csv with 'Prompts', .json list).",
     )
-    eval_prompts: str = _f("assets/prompts/tiny_eval.txt", "Held-out prompt file for evaluation.")
+    eval_prompts: str = _f(
+        "assets/prompts/tiny_eval.txt", "Held-out prompts for evaluation: a set name or a file."
+    )
+    allow_toy_prompts: bool = _f(
+        False,
+        "Let a real model (not a tiny twin, the ShapeWorld toys or random:<arch>) train or evaluate on "
+        "the shipped toy prompt files under assets/; refused otherwise: 9 toy prompts make no experiment.",
+    )
 
 
 @dataclass
@@ -353,7 +362,14 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = _f(0, "Evaluate every N iterations (and at the end); 0 disables.")
-    num_prompts: int = _f(4, "Held-out prompts used per evaluation.")
+    num_prompts: int = _f(
+        4, "Held-out prompts used per evaluation (more than the file has: all, with a warning)."
+    )
+    subset: Literal["first", "spaced"] = _f(
+        "first",
+        "Which num_prompts: the file's first ones, or evenly spaced through it (a file sorted by category, "
+        "like the HPDv2 benchmark's four styles, is then covered).",
+    )
     train_num_prompts: int = _f(
         0,
         "Training prompts also evaluated (a fixed, evenly spaced subset; logged as "

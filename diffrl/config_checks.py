@@ -56,6 +56,7 @@ def check(cfg) -> None:
         )
     _check_objective(cfg)
     _check_model(cfg)
+    _check_toy_prompts(cfg)
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     _check_tree_anchor(cfg)
@@ -116,6 +117,45 @@ def _check_model(cfg) -> None:
             "model.full_finetune is not supported for wan22: two 14B experts plus their frozen "
             "reference do not fit the GPUs it would run on; train LoRA (model.full_finetune: false)"
         )
+
+
+# models that are not real: the tiny twins, the ShapeWorld toys, random weights at a
+# published architecture (a measurement); their runs may use the shipped toy prompts
+TOY_MODELS = ("tiny", "shapeworld", "shapeworld_late", "shapeworld_video")
+
+
+def is_real_model(pretrained: str) -> bool:
+    from pathlib import Path
+
+    from diffrl.training.data import PROJECT_ROOT
+
+    if pretrained in TOY_MODELS or pretrained.startswith("random:"):
+        return False
+    path = Path(pretrained).expanduser()
+    shipped = path if path.is_absolute() else PROJECT_ROOT / path
+    return not (shipped.is_dir() and (PROJECT_ROOT / "assets") in shipped.resolve().parents)
+
+
+def _check_toy_prompts(cfg) -> None:
+    """A real model on the shipped toy prompts is no experiment: refused, unless the
+    config says so (``data.allow_toy_prompts``)."""
+    from diffrl.data import is_set_name
+    from diffrl.training.data import PROJECT_ROOT, resolve_prompt_path
+
+    if cfg.data.allow_toy_prompts or not is_real_model(cfg.model.pretrained):
+        return
+    for key in ("train_prompts", "eval_prompts"):
+        value = getattr(cfg.data, key)
+        if is_set_name(value):
+            continue
+        path = resolve_prompt_path(value).resolve()
+        if (PROJECT_ROOT / "assets") in path.parents:
+            raise ConfigError(
+                f"data.{key} '{value}' is a shipped toy prompt file, and model.pretrained "
+                f"'{cfg.model.pretrained}' is a real model: name a prompt set (diffrl-data list; e.g. "
+                "pickscore/train, geneval/train, hpdv2/train) or your own file, or set "
+                "data.allow_toy_prompts: true to run on the toy prompts anyway"
+            )
 
 
 def _masked_attention_unsupported(backend: str) -> bool:

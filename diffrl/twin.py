@@ -109,6 +109,8 @@ def full_size_overrides(cfg, steps: int = 2) -> list[str]:
         f"model.pretrained={RANDOM_PREFIX}{arch.name}",
         f"train.max_steps={steps}",
         *QUIET_RUN,
+        # random weights measure speed and memory, not prompts: the shipped ones, no fetch
+        *_prompt_files(cfg.model.family),
         f"run_name={cfg.run_name}_full_size",
         f"rewards={json.dumps(_rewards(cfg))}",
     ]

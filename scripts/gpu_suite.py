@@ -225,9 +225,15 @@ def worker_args(a, *flags: str) -> list[str]:
 
 
 def run_worker(a, flags: list[str], timeout: float | None, env=None, launcher=()) -> None:
-    """One worker, which appends its own rows to the report as it measures them."""
+    """One worker, which appends its own rows to the report as it measures them (its
+    console is the log); this process prints them once it ends, however it ends."""
     timeout = _limit(timeout, f"worker {' '.join(flags[:3])}")
-    Child([*launcher, *worker_args(a, *flags)], a.report, env).wait(timeout)
+    before = len(a.report.rows())
+    try:
+        Child([*launcher, *worker_args(a, *flags)], a.report, env).wait(timeout)
+    finally:
+        for r in a.report.rows()[before:]:
+            print(markdown_line(r), flush=True)
 
 
 def failure_row(step: str, what: str, err: Exception) -> dict:

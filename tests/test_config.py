@@ -15,9 +15,13 @@ def test_configs_are_shipped():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_config_validates(path):
+    """Its prompts are a shipped file, or a registered prompt set (fetched at run time)."""
+    from diffrl.data import is_set_name
+
     cfg = load_config(str(path))
     assert cfg.run_name and cfg.rewards
-    assert Path(cfg.data.train_prompts).is_file(), f"{path.name}: train prompt file missing"
+    for prompts in (cfg.data.train_prompts, cfg.data.eval_prompts):
+        assert is_set_name(prompts) or Path(prompts).is_file(), f"{path.name}: {prompts} is neither"
 
 
 def _write(tmp_path, text):
@@ -177,3 +181,45 @@ def test_dry_run_checks_reward_names_arguments_and_prompt_files_without_loading_
         assert words in capsys.readouterr().err
     # a model reward whose weights are not here still passes a dry run: nothing is loaded
     assert main(base + ["--set", "rewards=[{name: hpsv21, args: {checkpoint: /nowhere/hps.pt}}]"]) == 0
+
+
+# -- real models on real prompts (issue 51, item 2) ------------------------------------------
+def test_a_real_model_on_the_toy_prompts_is_refused_in_one_line():
+    sets = ["model.pretrained=black-forest-labs/FLUX.1-dev"]
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_flux_flowgrpo", sets)
+    assert str(err.value).endswith(  # after the config file's path
+        "tiny_flux_flowgrpo.yaml: data.train_prompts 'assets/prompts/tiny_train.txt' is a shipped toy prompt "
+        "file, and model.pretrained 'black-forest-labs/FLUX.1-dev' is a real model: name a prompt set "
+        "(diffrl-data list; e.g. pickscore/train, geneval/train, hpdv2/train) or your own file, or set "
+        "data.allow_toy_prompts: true to run on the toy prompts anyway"
+    )
+    with pytest.raises(ConfigError, match="data.eval_prompts 'assets/prompts/tiny_eval.txt'"):
+        load_config("tiny_flux_flowgrpo", [*sets, "data.train_prompts=pickscore/train"])
+    load_config("tiny_flux_flowgrpo", [*sets, "data.allow_toy_prompts=true"])  # said explicitly: runs
+    load_config(
+        "tiny_flux_flowgrpo", [*sets, "data.train_prompts=geneval/train", "data.eval_prompts=geneval/eval"]
+    )
+
+
+@pytest.mark.parametrize("pretrained", ["tiny", "shapeworld", "random:flux1-dev"])
+def test_twins_toys_and_random_weights_may_use_the_toy_prompts(pretrained):
+    from diffrl.config_checks import is_real_model
+
+    assert not is_real_model(pretrained)
+    assert is_real_model("black-forest-labs/FLUX.1-dev") and is_real_model("/models/my-flux")
+
+
+def test_every_real_model_config_trains_and_evaluates_on_registered_sets():
+    """Except where it says, with a reason in the file, that the toy task is its point."""
+    from diffrl.config_checks import is_real_model
+    from diffrl.data import is_set_name
+
+    for path in SHIPPED:
+        cfg = load_config(str(path))
+        if not is_real_model(cfg.model.pretrained):
+            continue
+        if cfg.data.allow_toy_prompts:
+            assert "allow_toy_prompts: true  # " in path.read_text(), path.name
+            continue
+        assert is_set_name(cfg.data.train_prompts) and is_set_name(cfg.data.eval_prompts), path.name

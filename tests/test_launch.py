@@ -75,8 +75,28 @@ def test_accelerate_launch_two_steps(tmp_path):
     assert any((tmp_path / "logs").rglob("events.out.tfevents*")), "no TensorBoard events written"
 
 
+# a real config's prompt sets are fetched at run time; offline, the toy files stand in
+TOY_PROMPTS = [
+    "--set",
+    "data.train_prompts=assets/prompts/tiny_train.txt",
+    "--set",
+    "data.eval_prompts=assets/prompts/tiny_eval.txt",
+    "--set",
+    "data.allow_toy_prompts=true",
+]
+
+
 def test_dry_run_prints_plan_and_builds_nothing(tmp_path):
-    out = _run([sys.executable, TRAIN, "--config", "flux_flowgrpo", "--dry-run"])
+    missing = _run(
+        [sys.executable, TRAIN, "--config", "flux_flowgrpo", "--dry-run"], DIFFRL_DATA=str(tmp_path)
+    )
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip() == (
+        f"error: prompt set 'pickscore/train' is not fetched in {tmp_path}: run `diffrl-data fetch "
+        "pickscore/train` (with network; --dir DIR or DIFFRL_DATA=DIR for another folder), "
+        "or give a file path"
+    )
+    out = _run([sys.executable, TRAIN, "--config", "flux_flowgrpo", "--dry-run", *TOY_PROMPTS])
     assert out.returncode == 0, out.stderr
     for key in ("samples_per_iteration", "rollout_nfe_per_iteration", "optimizer_steps_per_iteration"):
         assert key in out.stdout
@@ -235,10 +255,20 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     before the model, so bad inputs fail fast), which offline fails with one line saying
     how to fetch it; with that reward swapped for a weight-free one, it gets to
     FLUX.1-dev and fails the same way."""
-    dry = _run([sys.executable, TRAIN, "--config", "flux_solrl.yaml", "--dry-run"])
+    dry = _run([sys.executable, TRAIN, "--config", "flux_solrl.yaml", "--dry-run", *TOY_PROMPTS])
     assert dry.returncode == 0, dry.stderr
     assert "solrl_explore_nfe_per_iteration          3248" in dry.stdout  # 16 trees x 203 NFE
-    start = _run([sys.executable, TRAIN, "--config", "flux_solrl.yaml", "--set", f"output_dir={tmp_path}"])
+    start = _run(
+        [
+            sys.executable,
+            TRAIN,
+            "--config",
+            "flux_solrl.yaml",
+            "--set",
+            f"output_dir={tmp_path}",
+            *TOY_PROMPTS,
+        ]
+    )
     assert start.returncode == 2 and "Traceback" not in start.stderr
     assert "hpsv21: weights not found" in start.stderr and "hf download xswu/HPSv2" in start.stderr
     model = _run(
@@ -251,6 +281,7 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
             f"output_dir={tmp_path}",
             "--set",
             "rewards=[{name: jpeg_compressibility}]",
+            *TOY_PROMPTS,
         ]
     )
     assert model.returncode == 2 and "Traceback" not in model.stderr

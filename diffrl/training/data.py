@@ -37,19 +37,30 @@ def resolve_prompt_path(path: str | Path) -> Path:
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """Read prompts from ``.txt`` (one per line, blank lines and ``#`` comments skipped)
-    or ``.jsonl`` (one object per line with a string ``prompt`` field and, for editing
-    runs, an optional string ``image`` field: the input image's path, relative to the
-    prompt file's folder unless absolute). Lines with an image become
+    """Read prompts from a file or a named prompt set (docs/DATA.md: ``geneval/eval``,
+    ``pickscore/train``..., fetched by ``diffrl-data fetch NAME``; a set of several files
+    reads them in order). Files: ``.txt`` (one per line, blank lines and ``#`` comments
+    skipped), ``.jsonl`` (one object per line with a string ``prompt`` field and, for
+    editing runs, an optional string ``image`` field: the input image's path, relative to
+    the prompt file's folder unless absolute; GenEval's metadata lines load as they are),
+    ``.csv`` (a ``Prompts`` or ``prompt`` column: DrawBench) or ``.json`` (a list of
+    strings: the HPDv2 benchmark). Lines with an image become
     :class:`~rewards.prompts.EditPrompt`; a file mixing lines with and without one is
     refused. A relative path is looked up from the working directory, then from the
     project root."""
-    given = path
-    path = resolve_prompt_path(path)
+    from diffrl.data import is_set_name, local_files
+
+    if is_set_name(str(path)) and not resolve_prompt_path(path).is_file():
+        return [p for file in local_files(str(path)) for p in _load_file(file, file)]
+    return _load_file(path, resolve_prompt_path(path))
+
+
+def _load_file(given, path: Path) -> list[str]:
     if not path.is_file():
         raise PromptFileError(
             f"prompt file '{given}' does not exist (looked in {Path.cwd()} and {PROJECT_ROOT}); "
-            "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file"
+            "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file, "
+            "or to a prompt set name (diffrl-data list)"
         )
     try:
         text = path.read_text(encoding="utf-8")
@@ -57,15 +68,12 @@ def load_prompts(path: str | Path) -> list[str]:
         raise PromptFileError(
             f"prompt file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})"
         ) from None
-    prompts = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if path.suffix == ".jsonl":
-            prompts.append(_jsonl_prompt(path, lineno, line))
-        else:
-            prompts.append(line)
+    if path.suffix == ".csv":
+        prompts = _csv_prompts(path, text)
+    elif path.suffix == ".json":
+        prompts = _json_prompts(path, text)
+    else:
+        prompts = _line_prompts(path, text)
     if not prompts:
         raise PromptFileError(f"prompt file '{path}' has no prompts")
     with_image = sum(isinstance(p, EditPrompt) for p in prompts)
@@ -75,6 +83,41 @@ def load_prompts(path: str | Path) -> list[str]:
             "rest do not; an editing run needs an image on every line, a text-to-image run on none"
         )
     return prompts
+
+
+def _line_prompts(path: Path, text: str) -> list[str]:
+    prompts = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        prompts.append(_jsonl_prompt(path, lineno, line) if path.suffix == ".jsonl" else line)
+    return prompts
+
+
+def _csv_prompts(path: Path, text: str) -> list[str]:
+    import csv
+    import io
+
+    reader = csv.DictReader(io.StringIO(text))
+    column = next(
+        (c for c in ("Prompts", "prompt", "Prompt", "prompts") if c in (reader.fieldnames or [])), None
+    )
+    if column is None:
+        raise PromptFileError(
+            f"prompt file '{path}': a .csv needs a 'Prompts' or 'prompt' column, found {reader.fieldnames}"
+        )
+    return [row[column].strip() for row in reader if (row.get(column) or "").strip()]
+
+
+def _json_prompts(path: Path, text: str) -> list[str]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PromptFileError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+        raise PromptFileError(f"prompt file '{path}': a .json prompt file is a list of strings")
+    return [p.strip() for p in data if p.strip()]
 
 
 def check_image_column(prompts: list[str], path, family: str) -> None:

@@ -59,7 +59,7 @@ class Trainer:
         """Prompts and rewards, each checked against the other."""
         self.train_prompts = load_prompts(cfg.data.train_prompts)
         evaluating = bool(cfg.eval.every or cfg.eval.at_start)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts) if evaluating else []
+        self.eval_prompts = self._eval_prompts(cfg) if evaluating else []
         self.train_eval_prompts = (
             spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
         )
@@ -68,6 +68,19 @@ class Trainer:
         self.reward_fn = MultiReward(cfg.rewards)
         self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
         self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
+
+    def _eval_prompts(self, cfg: Config) -> list[str]:
+        """The held-out prompts an evaluation scores: ``eval.num_prompts`` of the file, its
+        first ones or evenly spaced (``eval.subset``); asking for more than the file holds
+        scores them all, and says so once."""
+        prompts = load_prompts(cfg.data.eval_prompts)
+        wanted = cfg.eval.num_prompts
+        if wanted > len(prompts):
+            self.acc.print(
+                f"warning: eval.num_prompts is {wanted} but data.eval_prompts '{cfg.data.eval_prompts}' "
+                f"holds {len(prompts)}: every evaluation scores all {len(prompts)}"
+            )
+        return spaced_subset(prompts, wanted) if cfg.eval.subset == "spaced" else prompts
 
     def _build_policy(self, cfg: Config) -> None:
         """The model, its trainable weights, the rollout handle, the optimizer and schedule."""
