@@ -23,6 +23,7 @@ _FACTORIES: dict[str, str] = {
     "shapeworld_edit": "rewards.shapeworld.editing:ShapeWorldEditVerifier",
     "shapeworld_video": "rewards.shapeworld.video:ShapeWorldVideoVerifier",
     "remote": "rewards.remote:RemoteReward",
+    "reward_server": "rewards.reward_server:RewardServerReward",
     "random_control": "rewards.control:RandomControl",
     "hpsv2": "rewards.hps:HPSv2",
     "hpsv21": "rewards.hps:HPSv21",

@@ -1,6 +1,11 @@
 """GenEval reward (Ghosh et al. 2023, "GenEval: An Object-Focused Framework for Evaluating
 Text-to-Image Alignment", arXiv:2310.11513): GenEval's rules (:mod:`rewards.geneval_rules`)
 over a transformers detector and CLIP colour classifier (:mod:`rewards.geneval_models`).
+The detector is GenEval's own, Mask2Former Swin-S on COCO with masks
+(:mod:`rewards.geneval_mask2former`: transformers' converted weights, mmdetection's
+pre- and post-processing), by default; an OWLv2 or OWL-ViT checkpoint (open vocabulary,
+boxes only) may be given instead. To score with GenEval's official mmdetection stack, use
+the ``reward_server`` reward against flow_grpo's reward server (:mod:`rewards.reward_server`).
 
 Prompts are GenEval captions ("a photo of two dogs", "a photo of a cat left of a dog", ...),
 parsed into GenEval's metadata. Scores, all logged (``score`` picks the one optimised):
@@ -18,10 +23,11 @@ tests/fixtures/reference/ocr_geneval.json holds the reward server's outputs.
 
 Detections pass GenEval's filters: confidence above ``threshold`` (``counting_threshold`` for
 counting prompts), at most ``max_objects`` per class, and greedy suppression of boxes
-overlapping a kept one by IoU ``max_overlap`` or more (GenEval keeps all, 1.0; OWLv2
-proposes several boxes per object, so 0.5 here). GenEval's thresholds, 0.3 / 0.9, were set
-for Mask2Former; left unset, the thresholds follow the detector
-(:data:`rewards.geneval_models.DETECTOR_THRESHOLDS`): 0.1 / 0.1 for OWLv2 and OWL-ViT (the
+overlapping a kept one by IoU ``max_overlap`` or more (GenEval keeps all, 1.0, the default
+with Mask2Former; OWLv2 proposes several boxes per object, so 0.5 with it). GenEval's
+thresholds, 0.3 / 0.9, were set for Mask2Former and are its defaults; left unset, the
+thresholds follow the detector (:data:`rewards.geneval_models.DETECTOR_THRESHOLDS`): 0.1 /
+0.1 for OWLv2 and OWL-ViT (the
 value of OWLv2's model card; 0.9 would fail most counting prompts), GenEval's for
 ShapeWorld (whose confidences are all 1); any other detector refuses to start until both
 are set. The OWL values are not calibrated on generated images: calibrate them on images
@@ -41,9 +47,10 @@ from rewards import geneval_rules as rules
 from rewards.clip_common import ClipReward
 from rewards.errors import some_of
 from rewards.geneval_models import (
+    DETECTOR_MAX_OVERLAP,
     ClipColours,
-    OwlDetector,
     ShapeWorldDetector,
+    build_detector,
     detector_thresholds,
     keep,
     known_colours,
@@ -59,7 +66,8 @@ class GenEval(ClipReward):
     ``metadata["geneval"]``.
 
     Args:
-        detector: hub id or directory of a transformers zero-shot detector, or ``shapeworld``.
+        detector: hub id or directory of a transformers Mask2Former COCO instance model (the
+            default, GenEval's detector) or zero-shot detector (OWLv2), or ``shapeworld``.
         clip: hub id or directory of the CLIPModel that names colours; with ``shapeworld``
             optional (the palette names them when None).
         score: ``partial``, ``strict`` or ``geneval`` (see the module docstring).
@@ -75,7 +83,7 @@ class GenEval(ClipReward):
 
     name = "geneval"
     differentiable = False
-    default_detector = "google/owlv2-base-patch16-ensemble"
+    default_detector = "facebook/mask2former-swin-small-coco-instance"
     default_clip = "openai/clip-vit-large-patch14"
 
     def __init__(
@@ -115,13 +123,15 @@ class GenEval(ClipReward):
             self.max_overlap = 1.0 if max_overlap is None else float(max_overlap)
             threshold, counting_threshold = detector_thresholds("shapeworld", *given)
         else:
-            self.detector = OwlDetector(detector or self.default_detector, self.device, self.dtype)
+            self.detector = build_detector(detector or self.default_detector, self.device, self.dtype)
             # before CLIP loads: an unknown detector without thresholds stops here
-            threshold, counting_threshold = detector_thresholds(self.detector.model.config.model_type, *given)
+            kind = self.detector.model.config.model_type
+            threshold, counting_threshold = detector_thresholds(kind, *given)
             self.colours = ClipColours(clip or self.default_clip, self.device, self.dtype, masks=mask_crops)
             self._models = [self.detector.model, self.colours.model]
             self.classes, self.colour_words = rules.COCO_CLASSES, rules.GENEVAL_COLOURS
-            self.max_overlap = 0.5 if max_overlap is None else float(max_overlap)
+            default_overlap = DETECTOR_MAX_OVERLAP.get(kind, 0.5)
+            self.max_overlap = default_overlap if max_overlap is None else float(max_overlap)
         self.thresholds = {"counting": counting_threshold, "other": threshold}
         self._freeze()
 

@@ -51,7 +51,15 @@ COLOUR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", 
 # post_process_grounded_object_detection use 0.1), so 0.9 would fail most counting
 # prompts. 0.1 serves both: no source gives OWLv2 a stricter counting value.
 # ShapeWorld detections all have confidence 1, so GenEval's values change nothing there.
-DETECTOR_THRESHOLDS = {"shapeworld": (0.3, 0.9), "owlv2": (0.1, 0.1), "owlvit": (0.1, 0.1)}
+DETECTOR_THRESHOLDS = {
+    "shapeworld": (0.3, 0.9),
+    "mask2former": (0.3, 0.9),  # GenEval's own detector (rewards.geneval_mask2former)
+    "owlv2": (0.1, 0.1),
+    "owlvit": (0.1, 0.1),
+}
+# suppression between a class's boxes: none in GenEval (NMS_THRESHOLD = 1.0, its detector
+# being Mask2Former); OWLv2 proposes overlapping boxes for one object, so 0.5 there
+DETECTOR_MAX_OVERLAP = {"mask2former": 1.0, "owlv2": 0.5, "owlvit": 0.5}
 
 
 class ThresholdsError(ValueError):
@@ -98,6 +106,19 @@ def keep(candidates: list[Found], threshold: float, max_objects: int, max_overla
         if max_overlap < 1:
             ordered = [f for f in ordered if box_iou(best.box, f.box) < max_overlap]
     return kept
+
+
+def build_detector(pretrained: str, device, dtype):
+    """The detector a checkpoint is: Mask2Former (GenEval's, closed-vocabulary COCO
+    instance segmentation) or a zero-shot detector (OWLv2, OWL-ViT)."""
+    from transformers import AutoConfig
+
+    config = hf_pretrained("geneval", AutoConfig, pretrained, arg="detector")
+    if config.model_type == "mask2former":
+        from rewards.geneval_mask2former import Mask2FormerDetector
+
+        return Mask2FormerDetector(pretrained, device, dtype)
+    return OwlDetector(pretrained, device, dtype)
 
 
 class OwlDetector:

@@ -19,12 +19,19 @@ Flow-Factory do; verl-omni removes every whitespace character, so "Hello<TAB>Wor
 against "Hello World" scores 0.9 here and in flow_grpo, 1.0 in verl-omni.
 tests/fixtures/reference/ocr_geneval.json holds the three references' outputs.
 
-flow_grpo recognises with PaddleOCR, which does not install on current stacks; here the
-recogniser is any transformers ``VisionEncoderDecoderModel`` OCR checkpoint (TrOCR by
-default, Li et al. 2021, arXiv:2109.10282), loaded with its processor from a hub id or a
-``save_pretrained`` directory. TrOCR reads one line of text from the whole image, so it
-suits prompts whose text dominates the picture (signs, posters, covers), as flow_grpo's
-OCR prompts do.
+The engine (``engine``):
+
+* ``paddleocr``: flow_grpo's own, PaddleOCR (an optional extra; :mod:`rewards.ocr_paddle`
+  says how flow_grpo calls it and joins its lines). The one to use for numbers that sit
+  beside flow_grpo's.
+* ``trocr`` (the default, as it needs only transformers): any transformers
+  ``VisionEncoderDecoderModel`` OCR checkpoint (TrOCR, Li et al. 2021, arXiv:2109.10282),
+  loaded with its processor from a hub id or a ``save_pretrained`` directory. TrOCR is a
+  line recogniser and reads the whole image as one line, so it suits prompts whose text
+  dominates the picture (signs, posters, covers), as flow_grpo's OCR prompts do, and
+  misses the rest of a picture with several lines.
+* ``trocr_lines``: PaddleOCR's detector finds the lines and TrOCR reads each, joined in
+  the detector's order as flow_grpo joins PaddleOCR's.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from rewards.clip_common import ClipReward, hf_pretrained
 from rewards.errors import some_of
 from rewards.images import to_uint8_hwc
 
+ENGINES = ("trocr", "paddleocr", "trocr_lines")
 # typographic quotes count as the ASCII quote, so "Open" and “Open” give the same target
 _QUOTES = str.maketrans({"\u201c": '"', "\u201d": '"'})
 
@@ -96,9 +104,12 @@ class OCRReward(ClipReward):
         max_new_tokens: longest recognised text, in tokens.
         contained_is_exact: a target found inside the recognised text has distance 0
             (flow_grpo's rule, the default); False scores the whole recognised text.
+        engine: ``trocr``, ``paddleocr`` or ``trocr_lines`` (see the module docstring).
+        lang, use_gpu: PaddleOCR's language and device (flow_grpo: ``en``).
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
 
     With a ``metadata`` dict, the recognised strings are stored under ``metadata["ocr"]``.
+    ``ocr_failed`` counts images the engine failed on (scored 0, as flow_grpo scores them).
     """
 
     name = "ocr"
@@ -111,20 +122,35 @@ class OCRReward(ClipReward):
         processor: str | None = None,
         max_new_tokens: int = 32,
         contained_is_exact: bool = True,
+        engine: str = "trocr",
+        lang: str = "en",
+        use_gpu: bool = False,
         device=None,
         dtype="float32",
         batch_size: int = 16,
     ):
-        from transformers import AutoProcessor, VisionEncoderDecoderModel
-
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
+        if engine not in ENGINES:
+            raise ValueError(f"ocr: engine must be one of {', '.join(ENGINES)}, got '{engine}'")
         if int(max_new_tokens) < 1:
             raise ValueError(f"ocr: max_new_tokens must be >= 1, got {max_new_tokens}")
         self.max_new_tokens = int(max_new_tokens)
         if not isinstance(contained_is_exact, bool):
             raise ValueError(f"ocr: contained_is_exact must be true or false, got {contained_is_exact!r}")
-        self.contained_is_exact = contained_is_exact
-        pretrained = pretrained or self.default_pretrained
+        self.contained_is_exact, self.engine = contained_is_exact, engine
+        self.paddle = None
+        if engine != "trocr":
+            from rewards.ocr_paddle import PaddleReader
+
+            self.paddle = PaddleReader(lang=lang, use_gpu=use_gpu)
+        self.model = None
+        if engine != "paddleocr":
+            self._load_trocr(pretrained or self.default_pretrained, processor)
+        self._freeze()
+
+    def _load_trocr(self, pretrained: str, processor: str | None) -> None:
+        from transformers import AutoProcessor, VisionEncoderDecoderModel
+
         self.model = hf_pretrained(
             self.name,
             VisionEncoderDecoderModel,
@@ -133,10 +159,9 @@ class OCRReward(ClipReward):
             output_loading_info=True,
         )
         self.processor = hf_pretrained(self.name, AutoProcessor, processor or pretrained, arg="processor")
-        self._freeze()
 
     def _modules(self):
-        return [self.model]
+        return [] if self.model is None else [self.model]
 
     def check_prompts(self, prompts: list[str]) -> None:
         bad = [p for p in prompts if quoted_text(p) is None]
@@ -147,11 +172,25 @@ class OCRReward(ClipReward):
                 f'the image must show between double quotes, e.g. a sign that says "OPEN".'
             )
 
+    def read(self, pixels: torch.Tensor) -> list[str | None]:
+        """Each (3, H, W) image's recognised text (None where the engine failed on it)."""
+        if self.engine == "trocr":
+            return self.transcribe([Image.fromarray(a) for a in to_uint8_hwc(pixels)])
+        arrays = list(to_uint8_hwc(pixels))
+        if self.engine == "paddleocr":
+            return self.paddle.read(arrays)
+        return [self._read_lines(a) for a in arrays]
+
+    def _read_lines(self, array) -> str:
+        """PaddleOCR's lines of one image, each read by TrOCR, joined in its order."""
+        crops = [Image.fromarray(array).crop(box) for box in self.paddle.line_boxes(array)]
+        return "".join(self.transcribe(crops)) if crops else ""
+
     @torch.no_grad()
-    def read(self, pixels: torch.Tensor) -> list[str]:
-        """Greedy transcription of each (3, H, W) image in [0, 1], through the checkpoint's
-        own processor (it resizes and normalises as the model was trained)."""
-        pil = [Image.fromarray(a) for a in to_uint8_hwc(pixels)]
+    def transcribe(self, images: list) -> list[str]:
+        """TrOCR's greedy transcription of each PIL image, through the checkpoint's own
+        processor (it resizes and normalises as the model was trained)."""
+        pil = images
         values = self.processor(images=pil, return_tensors="pt").pixel_values
         ids = self.model.generate(
             values.to(device=self.device, dtype=self.dtype),
@@ -162,7 +201,9 @@ class OCRReward(ClipReward):
         return self.processor.batch_decode(ids, skip_special_tokens=True)
 
     def _score(self, pixels, prompts):
-        texts = self.read(pixels)
+        read = self.read(pixels)
+        failed = torch.tensor([float(t is None) for t in read])
+        texts = ["" if t is None else t for t in read]  # a failed image scores 0, as in flow_grpo
         self._texts.extend(texts)
         targets = [quoted_text(p) or "" for p in prompts]  # unchecked prompts score 0, never raise
         rule = self.contained_is_exact
@@ -171,7 +212,7 @@ class OCRReward(ClipReward):
             float(bool(normalise(target)) and text_distance(t, target, rule) == 0)
             for t, target in zip(texts, targets)
         ]
-        return {self.name: torch.tensor(accuracy), "ocr_exact": torch.tensor(exact)}
+        return {self.name: torch.tensor(accuracy), "ocr_exact": torch.tensor(exact), "ocr_failed": failed}
 
     def __call__(self, images, prompts=None, metadata=None):
         self._texts: list[str] = []  # filled chunk by chunk by _score, in batch order

@@ -10,6 +10,22 @@ fidelity, printed as one table and written as JSON.
 A checkpoint is loaded as ``--resume`` loads it, so the EMA weights that the training
 evaluations use are the ones scored. Use seeds and prompts the run never saw to re-check
 a result independently of the evaluation it was tuned on.
+
+The papers' protocols (diffrl.evaluation.protocols; their prompt sets fetched first with
+``diffrl-data fetch``), one markdown table and one JSON in ``--out``:
+
+    python scripts/evaluate.py --protocol geneval --config sd35_flowgrpo --lora jieliu/SD3.5M-FlowGRPO-GenEval
+    python scripts/evaluate.py --protocol ocr --config sd35_flowgrpo --checkpoint RUN/checkpoints/step-500 \\
+        --reward-arg ocr.engine=paddleocr
+    python scripts/evaluate.py --protocol drawbench --config flux_flowgrpo \\
+        --reward-arg hpsv21.checkpoint=/w/HPS_v2.1_compressed.pt \\
+        --reward-arg imagereward.checkpoint=/w/ImageReward.pt
+    accelerate launch --num_processes 8 scripts/evaluate.py --protocol hpdv2 --config flux_flowgrpo ...
+
+Protocols: geneval (553 prompts x 4 images, GenEval's summary), ocr (flow_grpo's OCR test
+accuracy), drawbench and hpdv2 (HPSv2.1, PickScore, ImageReward, CLIPScore, aesthetic
+means with standard errors, per category or style), shapeworld. Several processes shard
+the prompts and write the table one process writes.
 """
 
 import argparse
@@ -26,7 +42,13 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default="base", help="'base' or a checkpoints/step-N directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", type=Path, default=None, help="write the metrics here")
+    _protocol_args(p)
     args = p.parse_args(argv)
+    if args.protocol:
+        from diffrl.evaluation.protocol_run import run
+
+        run(args)
+        return 0
 
     import tempfile
 
@@ -48,6 +70,19 @@ def main(argv=None) -> int:
             json.dumps({"checkpoint": args.checkpoint, "overrides": args.overrides, **metrics}, indent=1)
         )
     return 0
+
+
+def _protocol_args(p: argparse.ArgumentParser) -> None:
+    from diffrl.evaluation.protocols import PROTOCOLS
+
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS), help="run a paper's evaluation protocol")
+    p.add_argument("--lora", help="a LoRA from elsewhere: a PEFT or diffusers folder, a file or a hub id")
+    p.add_argument("--prompts", help="another prompt set or file than the protocol's")
+    p.add_argument("--limit", type=int, default=0, help="the first N prompts only (a quick look)")
+    p.add_argument("--images", type=int, default=0, help="images per prompt (default: the protocol's)")
+    p.add_argument("--rewards", help="comma list: a subset of the protocol's rewards")
+    p.add_argument("--reward-arg", dest="reward_args", action="append", default=[], metavar="NAME.KEY=VALUE")
+    p.add_argument("--out", default="outputs/eval", help="where the table and the JSON go")
 
 
 if __name__ == "__main__":

@@ -460,3 +460,32 @@ def test_solrl_sub_trees_over_two_processes_under_ddp_and_fsdp(tmp_path):
         torch.testing.assert_close(w_ddp[name], w_fsdp[name], atol=1e-6, rtol=1e-5)
     w_resumed = _trainable(tmp_path / "resumed", 2)
     assert all(torch.equal(w_fsdp[name], w_resumed[name]) for name in w_fsdp)
+
+
+@pytest.mark.slow
+def test_an_evaluation_protocol_over_two_gloo_processes_gives_one_process_s_table(tmp_path):
+    """scripts/evaluate.py --protocol under torchrun: the prompts' chunks are dealt to the
+    processes, every chunk is the batch one process runs, so the table, every image's
+    scores and the settings are those of the 1-process run; only one process writes."""
+    evaluate = str(ROOT / "scripts" / "evaluate.py")
+    common = [
+        evaluate,
+        "--protocol",
+        "shapeworld",
+        "--config",
+        "toy_flowgrpo",
+        "--limit",
+        "5",
+        "--images",
+        "2",
+    ]
+    common += ["--set", "rollout.batch_size=3", "--set", "sampling.eval_num_steps=4"]
+    results = {}
+    for n in ("1", "2"):
+        out = _run(TORCHRUN + [n, *common, "--out", str(tmp_path / n)], ACCELERATE_USE_CPU="true")
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.count("| shapeworld_strict |") == 1  # one process printed it
+        results[n] = json.loads((tmp_path / n / "shapeworld.json").read_text())
+    assert results["2"]["rows"] == results["1"]["rows"]
+    assert len(results["1"]["samples"]) == 10  # every image's scores, NaN included (hence as text):
+    assert json.dumps(results["2"]["samples"]) == json.dumps(results["1"]["samples"])

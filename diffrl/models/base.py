@@ -9,6 +9,7 @@ computed in fp32 outside the model, so no diffusers internals are patched.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -96,10 +97,15 @@ class FlowAdapter(ABC):
         factor = cls.spatial_downsample
         return cls.latent_channels * frames * (model_cfg.height // factor) * (model_cfg.width // factor)
 
+    # the prompt cache's bound: a real training set (flow_grpo's 25,432 PickScore prompts)
+    # through T5-XXL at 512 tokens is 4 MB a prompt, 100 GB if every one stayed on the GPU
+    PROMPT_CACHE_BYTES = 2 * 2**30
+
     def __init__(self, pipe, model_cfg):
         self.pipe = pipe
         self.cfg = model_cfg
-        self._prompt_cache: dict[str, Conditioning] = {}
+        self._prompt_cache: OrderedDict[str, Conditioning] = OrderedDict()
+        self._cache_bytes = 0
 
     # -- components -------------------------------------------------------------------
     @property
@@ -117,7 +123,7 @@ class FlowAdapter(ABC):
 
     def to(self, device) -> FlowAdapter:
         self.pipe.to(device)
-        self._prompt_cache = {k: v.to(device) for k, v in self._prompt_cache.items()}
+        self._prompt_cache = OrderedDict((k, v.to(device)) for k, v in self._prompt_cache.items())
         return self
 
     def frozen_to(self, device) -> FlowAdapter:
@@ -126,19 +132,36 @@ class FlowAdapter(ABC):
         hold the whole model on every GPU before sharding)."""
         for module in self.frozen_modules():
             module.to(device)
-        self._prompt_cache = {k: v.to(device) for k, v in self._prompt_cache.items()}
+        self._prompt_cache = OrderedDict((k, v.to(device)) for k, v in self._prompt_cache.items())
         return self
 
     # -- prompts ------------------------------------------------------------------------
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Embeddings for ``prompts``, batch-first; each distinct prompt is encoded once."""
-        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
-        if missing:
+    def encode_prompts(self, prompts: list[str], one_by_one: bool = False) -> Conditioning:
+        """Embeddings for ``prompts``, batch-first; each distinct prompt is encoded once and
+        kept in a cache of at most :attr:`PROMPT_CACHE_BYTES` (least recently used leave
+        first). ``one_by_one`` encodes each missing prompt alone, so its embedding does not
+        depend on which prompts shared its batch (an evaluation over several processes)."""
+        found = {}
+        for p in dict.fromkeys(prompts):
+            if p in self._prompt_cache:
+                self._prompt_cache.move_to_end(p)
+                found[p] = self._prompt_cache[p]
+        missing = [p for p in dict.fromkeys(prompts) if p not in found]
+        groups = [[p] for p in missing] if one_by_one else ([missing] if missing else [])
+        for group in groups:
             with torch.no_grad():
-                fresh = self._encode_uncached(missing)
-            for i, p in enumerate(missing):
-                self._prompt_cache[p] = fresh.select([i])
-        return Conditioning.cat([self._prompt_cache[p] for p in prompts])
+                fresh = self._encode_uncached(group)
+            found.update({p: fresh.select([i]) for i, p in enumerate(group)})
+        for p in missing:
+            self._remember(p, found[p])
+        return Conditioning.cat([found[p] for p in prompts])
+
+    def _remember(self, prompt: str, cond: Conditioning) -> None:
+        self._prompt_cache[prompt] = cond
+        self._cache_bytes += _nbytes(cond)
+        while self._cache_bytes > self.PROMPT_CACHE_BYTES and len(self._prompt_cache) > 1:
+            _, old = self._prompt_cache.popitem(last=False)
+            self._cache_bytes -= _nbytes(old)
 
     @abstractmethod
     def _encode_uncached(self, prompts: list[str]) -> Conditioning:
@@ -202,3 +225,7 @@ class FlowAdapter(ABC):
         type(self.pipe).save_lora_weights(
             directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
         )
+
+
+def _nbytes(cond: Conditioning) -> int:
+    return sum(t.numel() * t.element_size() for t in cond.tensors.values())

@@ -255,7 +255,9 @@ def test_an_unknown_detector_refuses_to_start_without_both_thresholds(checkpoint
 def test_missing_weights_name_the_path_or_the_download(tmp_path, checkpoints):
     with pytest.raises(MissingRewardWeightsError, match=re.escape(str(tmp_path / "nope"))):
         GenEval(detector=str(tmp_path / "nope"))
-    with pytest.raises(MissingRewardWeightsError, match="hf download google/owlv2-base-patch16-ensemble"):
+    with pytest.raises(
+        MissingRewardWeightsError, match="hf download facebook/mask2former-swin-small-coco-instance"
+    ):
         GenEval()
     with pytest.raises(MissingRewardWeightsError, match="hf download openai/clip-vit-large-patch14"):
         GenEval(detector=str(checkpoints / "owl"))

@@ -1,0 +1,254 @@
+"""The papers' evaluation protocols (issue 51, item 3): their tables against the same
+numbers computed another way, end to end on the toy with tiny reward twins, chunks dealt
+so that N processes give one process's table, and LoRAs from elsewhere."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from argparse import Namespace
+
+import pytest
+import torch
+
+from diffrl.evaluation import protocols as P
+from diffrl.evaluation.protocol_run import reward_specs, run
+from diffrl.models import tiny
+
+# ShapeWorld captions in GenEval's metadata format (the geneval reward's ShapeWorld twin
+# reads them): one line per task kind the twin's vocabulary allows
+GENEVAL_LINES = [
+    {"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a photo of a circle"},
+    {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "red"}],
+     "prompt": "a photo of a red square"},
+    {"tag": "counting", "include": [{"class": "triangle", "count": 2}],
+     "exclude": [{"class": "triangle", "count": 3}], "prompt": "a photo of two triangles"},
+    {"tag": "two_object", "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1}],
+     "prompt": "a photo of a circle and a square"},
+]  # fmt: skip
+
+
+def _args(tmp_path, **kw) -> Namespace:
+    base = dict(
+        config="toy_flowgrpo",
+        checkpoint="base",
+        overrides=[],
+        protocol="shapeworld",
+        lora=None,
+        prompts=None,
+        limit=0,
+        images=0,
+        rewards=None,
+        reward_args=[],
+        out=str(tmp_path / "out"),
+    )
+    return Namespace(**{**base, **kw})
+
+
+def test_genevals_summary_is_genevals_arithmetic():
+    """summary_scores.py: images and prompts correct (a prompt: any of its images), each
+    task's accuracy, and the overall score, the unweighted mean over tasks."""
+    verdicts = {(0, "counting"): [1, 0], (1, "counting"): [0, 0], (2, "colors"): [1, 1]}
+    samples = [
+        {"index": i, "group": tag, "seed": s, "scores": {"geneval_correct": float(v), "geneval_strict": 0.0}}
+        for (i, tag), vs in verdicts.items()
+        for s, v in enumerate(vs)
+    ]
+    rows = {r[0]: r[1] for r in P.geneval_summary(samples)["rows"]}
+    assert rows["images"] == 6 and rows["prompts"] == 3
+    assert rows["correct images"] == pytest.approx(3 / 6) and rows["correct prompts"] == pytest.approx(2 / 3)
+    assert rows["counting"] == pytest.approx(1 / 4) and rows["colors"] == 1.0
+    assert rows["overall (mean over tasks)"] == pytest.approx((1 / 4 + 1) / 2)  # not 3/6
+
+
+def test_means_have_standard_errors_over_prompts_overall_and_by_group():
+    scores = {0: [0.2, 0.4], 1: [0.9, 0.7], 2: [0.1, 0.3]}
+    groups = {0: "Colors", 1: "Colors", 2: "Counting"}
+    samples = [
+        {"index": i, "group": groups[i], "seed": s, "scores": {"pickscore": v}}
+        for i, vs in scores.items()
+        for s, v in enumerate(vs)
+    ]
+    rows = {r[0]: r[1:] for r in P.means_summary(samples, ["pickscore"])["rows"]}
+    per_prompt = [statistics.mean(v) for v in scores.values()]
+    mean, se, n = rows["pickscore"]
+    assert mean == pytest.approx(statistics.mean(per_prompt)) and n == 3
+    assert se == pytest.approx(statistics.stdev(per_prompt) / 3**0.5)
+    assert rows["pickscore / Colors"][0] == pytest.approx(statistics.mean([0.2, 0.4, 0.9, 0.7]))
+
+
+def test_chunks_are_dealt_so_every_batch_is_one_process_s():
+    samples = list(range(11))
+    one = P.chunks_of(samples, 3, 0, 1)
+    dealt = [P.chunks_of(samples, 3, r, 2) for r in range(2)]
+    assert sorted(dealt[0] + dealt[1]) == one and dealt[0] == [one[0], one[2]]
+
+
+def test_reward_args_reach_the_protocol_s_rewards_and_bad_ones_are_one_line():
+    specs = reward_specs(
+        P.PROTOCOLS["geneval"], None, ["geneval.detector=shapeworld", "geneval.threshold=0.4"]
+    )
+    assert specs == [
+        {"name": "geneval", "args": {"score": "geneval", "detector": "shapeworld", "threshold": 0.4}}
+    ]
+    from diffrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="use NAME.KEY=VALUE with NAME one of hpsv21"):
+        reward_specs(P.PROTOCOLS["drawbench"], None, ["hps.checkpoint=x"])
+
+
+def test_the_geneval_protocol_end_to_end_on_the_toy(tmp_path):
+    prompts = tmp_path / "geneval_shapes.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in GENEVAL_LINES))
+    args = _args(
+        tmp_path,
+        protocol="geneval",
+        prompts=str(prompts),
+        images=2,
+        reward_args=["geneval.detector=shapeworld"],
+    )
+    result = run(args)
+    samples = result["samples"]
+    assert len(samples) == 8 and [s["group"] for s in samples[::2]] == [line["tag"] for line in GENEVAL_LINES]
+    rows = {r[0]: r[1] for r in result["rows"]}
+    for line in GENEVAL_LINES:  # each task's accuracy from the images' own verdicts
+        verdicts = [s["scores"]["geneval_correct"] for s in samples if s["group"] == line["tag"]]
+        assert rows[line["tag"]] == pytest.approx(sum(verdicts) / 2)
+    assert rows["overall (mean over tasks)"] == pytest.approx(
+        statistics.mean(rows[t["tag"]] for t in GENEVAL_LINES)
+    )
+    written = json.loads((tmp_path / "out" / "geneval.json").read_text())
+    assert written["rows"] == result["rows"] and written["settings"]["eval_num_steps"] >= 1
+    assert written["prompts"] == {"source": str(prompts), "sha256": None, "count": 4}
+    assert "| overall (mean over tasks) |" in (tmp_path / "out" / "geneval.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig
+
+    from rewards.aesthetic import AestheticMLP
+
+    root = tmp_path_factory.mktemp("protocol_clip")
+    tok = tiny.clip_tokenizer()
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=16,
+    )
+    cfg = CLIPConfig(
+        text_config=tiny.clip_text_config(tok, projection_dim=16).to_dict(),
+        vision_config=vision.to_dict(),
+        projection_dim=16,
+    )
+    with tiny.seeded(3):
+        CLIPModel(cfg).save_pretrained(root / "clip")
+        torch.save(AestheticMLP(16).state_dict(), root / "head.pth")
+    tok.save_pretrained(root / "clip")
+    return root
+
+
+def test_the_drawbench_protocol_gives_means_by_category_with_tiny_reward_twins(tmp_path, clip_dir):
+    prompts = tmp_path / "drawbench.csv"
+    rows = [
+        "Prompts,Category",
+        "a red circle,Colors",
+        '"two squares, side by side",Counting',
+        "a blue triangle,Colors",
+    ]
+    prompts.write_text("\n".join(rows) + "\n")
+    clip = str(clip_dir / "clip")
+    reward_args = [
+        f"pickscore.pretrained={clip}",
+        f"clipscore.pretrained={clip}",
+        f"aesthetic.pretrained={clip}",
+        f"aesthetic.head={clip_dir / 'head.pth'}",
+    ]
+    args = _args(
+        tmp_path,
+        protocol="drawbench",
+        prompts=str(prompts),
+        rewards="pickscore,clipscore,aesthetic",
+        reward_args=reward_args,
+    )
+    result = run(args)
+    rows = {r[0]: r[1:] for r in result["rows"]}
+    for reward in ("pickscore", "clipscore", "aesthetic"):
+        values = [s["scores"][reward] for s in result["samples"]]
+        assert rows[reward][0] == pytest.approx(statistics.mean(values)) and rows[reward][2] == 3
+        colours = [s["scores"][reward] for s in result["samples"] if s["group"] == "Colors"]
+        assert rows[f"{reward} / Colors"][0] == pytest.approx(statistics.mean(colours))
+    assert [r["name"] for r in result["settings"]["rewards"]] == ["pickscore", "clipscore", "aesthetic"]
+
+
+# -- LoRAs from elsewhere ----------------------------------------------------------------------
+def _toy_peft_lora(tmp_path, rank: int, alpha: float):
+    """A random LoRA on the toy transformer in PEFT's format (flow_grpo's), and the PEFT
+    model itself (the reference: peft's own loading and forward)."""
+    from peft import LoraConfig, get_peft_model
+
+    from diffrl.config import load_config
+    from diffrl.models import build_adapter
+
+    adapter = build_adapter(load_config("toy_flowgrpo").model)
+    base = copy.deepcopy(adapter.transformer)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False
+    )
+    with tiny.seeded(5):
+        peft_model = get_peft_model(base, config)
+    peft_model.save_pretrained(tmp_path / "peft")
+    return adapter, peft_model
+
+
+def _velocity(adapter, model):
+    from diffrl.perf.flops import velocity_inputs
+
+    torch.manual_seed(0)  # the same inputs for every model compared
+    x, sigma, cond = velocity_inputs(adapter, 2)
+    with torch.no_grad():
+        return adapter.velocity(model, x, sigma, cond)
+
+
+def test_a_peft_lora_scores_as_peft_itself_loads_it(tmp_path):
+    from diffrl.config import load_config
+    from diffrl.evaluation.outside_lora import load_outside_lora
+    from diffrl.training.policy import Policy
+
+    adapter, peft_model = _toy_peft_lora(tmp_path, rank=4, alpha=8.0)
+    expected = _velocity(adapter, peft_model)
+    Policy(adapter, load_config("toy_flowgrpo").model)  # the config's own LoRA, which must be off
+    lines = []
+    load_outside_lora(adapter.transformer, str(tmp_path / "peft"), log=lines.append)
+    torch.testing.assert_close(_velocity(adapter, adapter.transformer), expected, rtol=1e-4, atol=1e-5)
+    assert "PEFT format" in lines[0] and "the config's own LoRA is off" in lines[0]
+
+
+def test_a_diffusers_lora_file_scores_as_the_same_weights_in_peft(tmp_path):
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from diffrl.evaluation.outside_lora import load_outside_lora
+
+    adapter, peft_model = _toy_peft_lora(tmp_path, rank=4, alpha=4.0)  # no alpha in this format: 1x
+    expected = _velocity(adapter, peft_model)
+    weights = get_peft_model_state_dict(peft_model).items()
+    state = {"transformer." + k.removeprefix("base_model.model."): v.contiguous() for k, v in weights}
+    (tmp_path / "diffusers").mkdir()
+    save_file(state, tmp_path / "diffusers" / "pytorch_lora_weights.safetensors")
+    load_outside_lora(adapter.transformer, str(tmp_path / "diffusers"), log=lambda _: None)
+    torch.testing.assert_close(_velocity(adapter, adapter.transformer), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_hub_lora_that_cannot_be_fetched_is_one_line(monkeypatch):
+    from diffrl.config import ConfigError
+    from diffrl.evaluation.outside_lora import local_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="hf download jieliu/SD3.5M-FlowGRPO-GenEval --local-dir DIR"):
+        local_path("jieliu/SD3.5M-FlowGRPO-GenEval")
