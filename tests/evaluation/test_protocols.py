@@ -252,3 +252,82 @@ def test_a_hub_lora_that_cannot_be_fetched_is_one_line(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="hf download jieliu/SD3.5M-FlowGRPO-GenEval --local-dir DIR"):
         local_path("jieliu/SD3.5M-FlowGRPO-GenEval")
+
+
+class FakeHub:
+    """A loopback Hugging Face hub serving one model repository (the four calls
+    huggingface_hub's snapshot_download makes: the revision, the file tree, then a HEAD
+    and a GET of each file)."""
+
+    SHA = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, repo: str, folder):
+        import hashlib
+        import http.server
+        import threading
+
+        files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+        self.requests = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def send(self, body: bytes, content_type: str, headers=()):
+                self.send_response(200)
+                for key, value in [("Content-Type", content_type), *headers]:
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command == "GET":
+                    self.wfile.write(body)
+
+            def do_GET(self):
+                outer.requests.append((self.command, self.path))
+                if self.path.startswith(f"/api/models/{repo}/revision/"):
+                    info = {"id": repo, "sha": outer.SHA, "siblings": [{"rfilename": f} for f in files]}
+                    return self.send(json.dumps(info).encode(), "application/json")
+                if self.path.startswith(f"/api/models/{repo}/tree/"):
+                    tree = [{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                            for f, d in files.items()]  # fmt: skip
+                    return self.send(json.dumps(tree).encode(), "application/json")
+                name = self.path.rsplit("/", 1)[-1]
+                if self.path.startswith(f"/{repo}/resolve/") and name in files:
+                    etag = [
+                        ("ETag", f'"{hashlib.sha1(files[name]).hexdigest()}"'),
+                        ("X-Repo-Commit", outer.SHA),
+                    ]
+                    return self.send(files[name], "application/octet-stream", etag)
+                self.send_error(404)
+
+            do_HEAD = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_a_hub_lora_id_is_fetched_and_scores_as_the_same_folder(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from diffrl.evaluation.outside_lora import load_outside_lora
+
+    adapter, peft_model = _toy_peft_lora(tmp_path, rank=4, alpha=8.0)
+    expected = _velocity(adapter, peft_model)
+    hub = FakeHub("org/toy-flowgrpo-lora", tmp_path / "peft")
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub_cache"))
+    try:
+        load_outside_lora(adapter.transformer, "org/toy-flowgrpo-lora", log=lambda _: None)
+    finally:
+        hub.httpd.shutdown()
+    torch.testing.assert_close(_velocity(adapter, adapter.transformer), expected, rtol=1e-4, atol=1e-5)
+    fetched = {
+        path.rsplit("/", 1)[-1] for method, path in hub.requests if method == "GET" and "/resolve/" in path
+    }
+    assert fetched == {"adapter_config.json", "adapter_model.safetensors"}
