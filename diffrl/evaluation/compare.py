@@ -99,7 +99,7 @@ def load_weights(policy, path: Path) -> None:
         full = type(policy.transformer).from_pretrained(str(path / "transformer"))
         policy.transformer.load_state_dict(full.state_dict())
         return
-    if (path / "trainable.safetensors").is_file():
+    if (path / "trainable.safetensors").is_file() and not _exports_ema(path):
         state = _read_weights(path / "trainable.safetensors")
         try:
             policy.load_trainable_state_dict(state)
@@ -121,6 +121,19 @@ def load_weights(policy, path: Path) -> None:
             f"checkpoint '{path}': LoRA keys do not match this model (e.g. {unexpected[:2]}); "
             "is it for the config's model family and LoRA targets?"
         )
+
+
+def _exports_ema(path: Path) -> bool:
+    """Whether a checkpoint's diffusers export holds the EMA weights (its evaluations'),
+    which are then the ones compared; ``trainable.safetensors`` holds the trained ones."""
+    import json
+
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    exported = str(meta.get("weights", {}).get("export", ""))
+    return exported.startswith("EMA") and (path / "pytorch_lora_weights.safetensors").is_file()
 
 
 def _read_weights(file: Path) -> dict:

@@ -1,8 +1,12 @@
 """Self-describing, atomic checkpoints.
 
 ``<run>/checkpoints/step-N/`` holds:
-  * the policy in diffusers format (``pytorch_lora_weights.safetensors`` that
-    ``pipe.load_lora_weights(dir)`` loads, or ``transformer/`` for full fine-tuning);
+  * the weights the run's evaluations score, in diffusers format
+    (``pytorch_lora_weights.safetensors`` that ``pipe.load_lora_weights(dir)`` loads, or
+    ``transformer/`` for full fine-tuning): the EMA weights when ``train.ema_decay`` > 0
+    (flow_grpo saves its EMA too), else the trained ones; with an EMA, the trained (raw)
+    weights also, in ``raw/``, the same layout. ``meta.json`` says which is which
+    (``weights``);
   * ``trainable.safetensors``: the exact fp32 trainable tensors, for bit-exact resume;
   * accelerate's optimizer, LR schedule, per-process RNG states and registered objects
     (EMA, trainer counters);
@@ -28,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import diffrl
 from diffrl.config import save_config
+from diffrl.training.sharding import is_sharded
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # what every checkpoint holds; checked by name when meta.json predates its file list
@@ -132,8 +137,10 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0) -> Path:
-    """Collective: every process must call it (accelerate writes per-process RNG state)."""
+def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0, ema=None) -> Path:
+    """Collective: every process must call it (accelerate writes per-process RNG state).
+    With an ``ema`` (:class:`~diffrl.training.policy.EMA` of the trainable weights), its
+    weights are the diffusers export and the trained ones go to ``raw/``."""
     root = checkpoint_root(cfg.run_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -144,12 +151,21 @@ def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0) -> Path:
     with _no_fsdp_model_files(accelerator):
         accelerator.save_state(str(tmp))
     trainable = policy.trainable_state_dict()  # every process: under FSDP it gathers the shards
+    averaged = ema.named_state_dict(policy) if ema is not None else None  # collective too
     if accelerator.is_main_process:
-        policy.save_pretrained(tmp, trainable)
+        if averaged is None:
+            policy.save_pretrained(tmp, trainable)
+        else:
+            # a whole full fine-tune is exported from the live module: the EMA swapped in
+            live = not policy.is_lora and not any(is_sharded(p) for p in policy.transformer.parameters())
+            with ema.swapped_in() if live else contextlib.nullcontext():
+                policy.save_pretrained(tmp, averaged)
+            policy.save_pretrained(tmp / "raw", trainable)
         save_file({k: v.contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
         save_config(cfg, tmp / "config.yaml")
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         meta = {"step": step, "diffrl_version": diffrl.__version__, "time": time.time(), "files": files}
+        meta["weights"] = _weights_note(ema)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -157,6 +173,18 @@ def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0) -> Path:
         _prune(cfg.run_dir, keep)
     accelerator.wait_for_everyone()
     return final
+
+
+def _weights_note(ema) -> dict:
+    """Which weights each file holds, and which the run's evaluations scored."""
+    if ema is None:
+        return {"export": "trained", "evaluated": "trained", "trainable.safetensors": "trained"}
+    return {
+        "export": f"EMA (decay {ema.decay}, {ema.updates} updates)",
+        "raw/": "trained",
+        "evaluated": "EMA",
+        "trainable.safetensors": "trained (exact resume; the EMA resumes from accelerate's state)",
+    }
 
 
 def _prune(run_dir: Path, keep: int) -> None:

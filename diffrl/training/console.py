@@ -59,8 +59,9 @@ def progress_fields(metrics: dict) -> dict[str, str]:
     return fields
 
 
-def closing_lines(run_dir: Path, last_checkpoint: Path | None) -> str:
-    """Where the run's outputs are, and the commands that show them."""
+def closing_lines(run_dir: Path, last_checkpoint: Path | None, ema_decay: float = 0.0) -> str:
+    """Where the run's outputs are, the commands that show them, and which weights the
+    evaluations scored and the checkpoint exports."""
     run_dir = Path(run_dir)
     lines = [
         f"metrics:     {run_dir / 'metrics.jsonl'}",
@@ -69,6 +70,13 @@ def closing_lines(run_dir: Path, last_checkpoint: Path | None) -> str:
     if (run_dir / "logs").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'logs'}")
     lines.append(f"checkpoint:  {last_checkpoint}" if last_checkpoint else "checkpoint:  none saved")
+    if ema_decay > 0:
+        lines.append(
+            f"weights:     the evaluations scored the EMA weights (train.ema_decay {ema_decay}); each "
+            "checkpoint's diffusers export holds them, raw/ the trained ones"
+        )
+    else:
+        lines.append("weights:     the evaluations scored the trained weights, which each checkpoint exports")
     from diffrl.training.data import PROJECT_ROOT
 
     script = PROJECT_ROOT / "scripts" / "report.py"  # absolute: the run may start from any directory

@@ -164,6 +164,14 @@ class EMA:
                 for b, p in zip(backup, self.params):
                     p.copy_(b)
 
+    def named_state_dict(self, policy) -> dict[str, torch.Tensor]:
+        """The averaged weights by the trainable parameters' names (whole, on the CPU;
+        collective under FSDP: every process calls it)."""
+        names = [n for n, _ in policy.trainable_named_parameters()]
+        if len(names) != len(self.shadow):
+            raise ValueError(f"EMA of {len(self.shadow)} tensors, but the policy trains {len(names)}")
+        return {n: whole(s).cpu() for n, s in zip(names, self.shadow)}
+
     def state_dict(self) -> dict:
         """Whole shadows, also under FSDP (collective there; accelerate calls it on every
         process and the main one writes)."""

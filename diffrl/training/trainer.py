@@ -414,12 +414,12 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(progress_fields(history[-1]))
             if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                ckpt.save_checkpoint(self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep)
+                ckpt.save_checkpoint(self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep, self.ema)
         bar.close()
         self.acc.wait_for_everyone()
         self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
         latest = ckpt.latest_complete(run_dir)
-        self.acc.print(closing_lines(run_dir, latest[1] if latest else None))
+        self.acc.print(closing_lines(run_dir, latest[1] if latest else None, cfg.train.ema_decay))
         self.acc.end_training()
         return history
 

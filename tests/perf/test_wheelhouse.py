@@ -35,16 +35,19 @@ def test_the_pinned_list_resolves_offline_against_the_locked_metadata_and_the_de
 
 def test_the_first_call_set_holds_every_package_the_first_call_imports_that_the_device_lacks(wh):
     """diffusers for the models, torchao for FP8, open_clip (and ftfy, its tokenizer's
-    need) for HPSv2: each comes from the first-call set or is on the device."""
-    import importlib.metadata as metadata
-
-    owners = metadata.packages_distributions()
+    need) for HPSv2; transformers, accelerate, peft, timm and scipy are the device's."""
     wanted, device = wh.read_pinned().wanted("first-call"), wh.read_device()
-    for module in ("diffusers", "torchao", "open_clip", "ftfy", "transformers", "accelerate", "peft", "timm"):
-        (dist,) = {canonicalize_name(d) for d in owners[module]}
-        assert dist in wanted or dist in device, module
-    for dist in ("diffusers", "torchao", "open-clip-torch"):
-        assert dist in wanted and dist not in device
+    for dist in ("diffusers", "torchao", "open-clip-torch", "ftfy"):
+        assert dist in wanted and dist not in device, dist
+    for dist in ("torch", "transformers", "accelerate", "peft", "timm", "scipy", "safetensors"):
+        assert dist in device, dist
+    project = (wh.ROOT / "pyproject.toml").read_text()
+    needs = project[project.index("dependencies = [") : project.index("]", project.index("dependencies = ["))]
+    names = [line.strip().strip('",').split(">")[0].strip() for line in needs.splitlines()[1:]]
+    names = [canonicalize_name(n) for n in names if n and not n.startswith("#")]
+    assert len(names) >= 15 and "scipy" in names and "open-clip-torch" in names
+    for dist in names:  # every core dependency of diffrl is carried or there
+        assert dist in wanted or dist in device, f"{dist}: neither carried nor on the device"
 
 
 def _without(lock, name):
