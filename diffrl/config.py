@@ -76,6 +76,12 @@ class ModelConfig:
         False, "Train all transformer weights instead of LoRA; keeps a frozen reference copy."
     )
     lora: LoraConfig = _f(LoraConfig(), "LoRA settings (ignored when full_finetune).")
+    init_lora: str | None = _f(
+        None,
+        "Start the LoRA from trained weights instead of zero: a folder or file in diffusers format "
+        "(pytorch_lora_weights.safetensors, a diffrl export) or PEFT's (adapter_config.json, as flow_grpo "
+        "releases), or a hub id; its rank and alpha must be model.lora's. A resume loads the checkpoint.",
+    )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     tiny_seed: int = _f(0, "Seed for the random weights of the tiny twin.")
 
@@ -523,12 +529,10 @@ def apply_override(raw: dict, assignment: str) -> None:
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {key}: '{part}' is not a section")
-        node = child
+        node = _step_into(node, part, key)
+    last = _list_index(node, parts[-1], key) if isinstance(node, list) else parts[-1]
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        node[last] = yaml.safe_load(value)
     except yaml.YAMLError as err:
         problem = " ".join(str(getattr(err, "problem", "") or err).split())
         raise ConfigError(
@@ -537,11 +541,34 @@ def apply_override(raw: dict, assignment: str) -> None:
         ) from None
 
 
+def _step_into(node, part: str, key: str):
+    """The mapping or list ``part`` names inside ``node`` (a list item by its index)."""
+    if isinstance(node, list):
+        return node[_list_index(node, part, key)]
+    child = node.setdefault(part, {})
+    if not isinstance(child, (dict, list)):
+        raise ConfigError(f"--set {key}: '{part}' is not a section")
+    return child
+
+
+def _list_index(items: list, part: str, key: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(
+            f"--set {key}: '{part}' is not an item of this list of {len(items)}: use an index from 0 to "
+            f"{len(items) - 1}, e.g. --set rewards.0.args.checkpoint=PATH"
+        )
+    return int(part)
+
+
 def _check_override_key(key: str) -> None:
     """``--set`` keys must exist in the schema (free-form mappings such as a reward's
     ``args`` accept any key below them)."""
     cls, done = Config, []
     for part in key.split("."):
+        if typing.get_origin(cls) is list and part.isdigit():  # rewards.0: an item of the list
+            (cls,) = typing.get_args(cls)
+            done.append(part)
+            continue
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             return  # below a mapping, list or Any: not checked here
         names = [f.name for f in dataclasses.fields(cls)]

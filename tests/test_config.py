@@ -223,3 +223,16 @@ def test_every_real_model_config_trains_and_evaluates_on_registered_sets():
             assert "allow_toy_prompts: true  # " in path.read_text(), path.name
             continue
         assert is_set_name(cfg.data.train_prompts) and is_set_name(cfg.data.eval_prompts), path.name
+
+
+def test_overrides_reach_list_items():
+    """--set rewards.0.args.checkpoint=... (issue 52, item 5): an item of a list by its
+    index, checked against the item's schema, with one line for a bad index."""
+    cfg = load_config("tiny_flux_flowgrpo", ["rewards.0.args.quality=80", "rewards.0.weight=2.5"])
+    assert cfg.rewards[0].args == {"quality": 80} and cfg.rewards[0].weight == 2.5
+    with pytest.raises(ConfigError, match=r"'3' is not an item of this list of 1: use an index from 0 to 0"):
+        load_config("tiny_flux_flowgrpo", ["rewards.3.args.checkpoint=/w/x.pt"])
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'rewards.0.wieght'. Did you mean 'rewards.0.weight'\?"
+    ):
+        load_config("tiny_flux_flowgrpo", ["rewards.0.wieght=2"])

@@ -65,6 +65,7 @@ def settings_of(trainer) -> dict:
     cfg = trainer.cfg
     return {
         "model": cfg.model.pretrained,
+        "init_lora": cfg.model.init_lora,
         "resolution": [cfg.model.height, cfg.model.width],
         "num_frames": cfg.model.num_frames,
         "eval_num_steps": cfg.sampling.eval_num_steps or cfg.sampling.num_steps,

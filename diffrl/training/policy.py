@@ -51,6 +51,10 @@ class Policy:
             # copied before the upcast: the reference only runs forwards, in model.dtype
             self.frozen_reference = copy.deepcopy(transformer).requires_grad_(False).eval()
             transformer.requires_grad_(True)
+        if self.is_lora and model_cfg.init_lora:
+            from diffrl.training.init_lora import load_init_lora
+
+            load_init_lora(transformer, model_cfg.init_lora, model_cfg.lora)
         if upcast_trainable or self.is_lora:  # LoRA weights are small: fp32 before sharding is fine
             upcast_trainable_to_fp32(transformer)
         if model_cfg.gradient_checkpointing:
