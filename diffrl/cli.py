@@ -114,7 +114,7 @@ def main(argv=None) -> int:
             trainer.resume(args.resume)
         trainer.fit()
     except _user_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
+        say_error(err)
         return 2
     except KeyboardInterrupt:
         print(_interrupted_message(cfg), file=sys.stderr)
@@ -172,10 +172,20 @@ def _claim_run_dir(run_dir, args) -> None:
             print(f"--overwrite: deleted {', '.join(removed)} from {run_dir}")
 
 
+def say_error(err: BaseException) -> None:
+    """One ``error:`` line, from the main process only: a bad input is the same on every
+    process of a launch, and N copies of it (plus their launchers' blocks) bury it. A
+    single process (no ``RANK``) always says it."""
+    import os
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+
+
 def run_cli(fn, argv=None) -> None:
     """Run a script's ``main``; bad input ends with one ``error:`` line and exit code 2."""
     try:
         fn(argv)
     except _user_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
+        say_error(err)
         raise SystemExit(2) from None

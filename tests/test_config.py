@@ -236,3 +236,15 @@ def test_overrides_reach_list_items():
         ConfigError, match=r"unknown key 'rewards.0.wieght'. Did you mean 'rewards.0.weight'\?"
     ):
         load_config("tiny_flux_flowgrpo", ["rewards.0.wieght=2"])
+
+
+def test_an_error_is_said_by_the_main_process_only(capsys, monkeypatch):
+    from diffrl.cli import say_error
+
+    for rank, said in (("1", ""), ("0", "error: bad input\n")):
+        monkeypatch.setenv("RANK", rank)
+        say_error(ValueError("bad input"))
+        assert capsys.readouterr().err == said
+    monkeypatch.delenv("RANK")
+    say_error(ValueError("alone"))
+    assert capsys.readouterr().err == "error: alone\n"

@@ -489,3 +489,17 @@ def test_an_evaluation_protocol_over_two_gloo_processes_gives_one_process_s_tabl
     assert results["2"]["rows"] == results["1"]["rows"]
     assert len(results["1"]["samples"]) == 10  # every image's scores, NaN included (hence as text):
     assert json.dumps(results["2"]["samples"]) == json.dumps(results["1"]["samples"])
+
+
+@pytest.mark.slow
+def test_a_start_up_error_on_two_processes_is_said_once(tmp_path):
+    """The same bad input on every process of a launch: one error line, not one per
+    process (issue 52, item 5)."""
+    out = _run(
+        TORCHRUN + ["2", TRAIN, "--config", "tiny_flux_flowgrpo", "--set", "data.train_prompts=nope.txt",
+                    "--set", f"output_dir={tmp_path}"],
+        ACCELERATE_USE_CPU="true",
+    )  # fmt: skip
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "prompt file 'nope.txt' does not exist" in errors[0]
