@@ -387,7 +387,15 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    trackers: list[str] = _f(["tensorboard"], "accelerate trackers (tensorboard, wandb, ...); [] for none.")
+    trackers: list[str] = _f(
+        ["tensorboard"],
+        "accelerate trackers (tensorboard, wandb, ...); [] for none. One not installed stops the start.",
+    )
+    project: str = _f(
+        "diffrl", "W&B project (and TensorBoard's folder under logs/); the run is named run_name."
+    )
+    entity: str | None = _f(None, "W&B entity (team or user); null: your default.")
+    tags: list[str] = _f([], "W&B tags of the run.")
     progress_bar: bool = _f(True, "Show a progress bar on the main process.")
 
 

@@ -138,12 +138,14 @@ def evaluate(
     sheet_path=None,
     prefix: str = "eval",
     num_prompts: int | None = None,
+    media: dict | None = None,
 ) -> dict[str, float]:
     """Every reward score over ``prompts`` (the first ``num_prompts``, default
     ``eval.num_prompts``) x ``eval.seeds``: ``<prefix>/<name>/mean`` and ``/se``,
     ``<prefix>/n`` and ``<prefix>/diversity``. ``settings`` is an :class:`EvalSettings`
     or a whole config. With ``sheet_path`` the main process also saves its first samples
-    (the fixed eval noise, so sheets of different steps line up) as a PNG."""
+    (the fixed eval noise, so sheets of different steps line up) as a PNG, and with a
+    ``media`` dict it fills it with those samples for the trackers (:func:`sample_media`)."""
     s = EvalSettings.of(settings)
     count = s.num_prompts if num_prompts is None else num_prompts
     plan_prompts, keys = eval_plan(prompts, count, s.seeds, tag=prefix)
@@ -156,6 +158,8 @@ def evaluate(
     _, _, logs = reward_fn(traj.images, local_p, {"keys": local_k})
     if sheet_path is not None and accelerator.is_main_process:
         _save_sheet(sheet_path, traj.images, logs[s.sheet_reward], local_k, local_p)
+    if media is not None and accelerator.is_main_process:
+        media.update(sample_media(traj.images, logs, s.sheet_reward, local_k, local_p, sheet_path))
     n = len(keys)
     names = sorted(logs)
     local = torch.stack([logs[k] for k in names], dim=1).to(accelerator.device)
@@ -166,6 +170,30 @@ def evaluate(
     thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
     out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
     return out
+
+
+def sample_media(images, logs: dict, reward: str, keys, prompts, sheet=None, count: int = SHEET_SIZE) -> dict:
+    """The first ``count`` samples for a tracker: uint8 HWC images (a video's first frame),
+    captions with the prompt, the seed and ``reward``'s score, and every score by name."""
+    from rewards.images import to_uint8_hwc
+
+    first = images[:count].detach().float().cpu()
+    if first.ndim == 5:  # (B, F, C, H, W): the first frame
+        first = first[:, 0]
+    names = sorted(logs)
+    scores = [[float(logs[n][i]) for n in names] for i in range(len(first))]
+    captions = [
+        f"{prompts[i]} | {reward} {float(logs[reward][i]):.3f} | seed {keys[i][2]}" for i in range(len(first))
+    ]
+    return {
+        "images": list(to_uint8_hwc(first)),
+        "captions": captions,
+        "prompts": [str(p) for p in prompts[: len(first)]],
+        "seeds": [k[2] for k in keys[: len(first)]],
+        "score_names": names,
+        "scores": scores,
+        "sheet": sheet,
+    }
 
 
 def _process_share(accelerator, prompts: list[str], keys: list[tuple]):

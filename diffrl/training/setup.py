@@ -16,7 +16,9 @@ from diffrl.config import Config
 
 def make_accelerator(cfg: Config) -> Accelerator:
     project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir / "logs"))
-    trackers = installed_trackers(cfg.logging.trackers) or None
+    from diffrl.training.tracking import check_trackers
+
+    trackers = check_trackers(cfg.logging.trackers) or None
     # the process group's timeout: every collective waits this long for the slowest process
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=cfg.train.collective_timeout_minutes))
     acc = Accelerator(
@@ -79,23 +81,6 @@ def _shard_on_cpu(acc: Accelerator) -> None:
     state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
     # a later AcceleratorState() re-reads the process state: keep the two in agreement
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-
-def installed_trackers(names: list[str], log=print) -> list[str]:
-    """The configured trackers whose package is installed; each missing one is a note
-    (metrics.jsonl is written in any case), not a crash mid-start."""
-    import importlib.util
-
-    kept = []
-    for name in names:  # accelerate's tracker names are their packages' import names
-        if importlib.util.find_spec(name) is None:
-            log(
-                f"note: logging.trackers names '{name}' but it is not installed (pip install {name}); "
-                "logging to metrics.jsonl only for it"
-            )
-        else:
-            kept.append(name)
-    return kept
 
 
 def make_lr_scheduler(optimizer, cfg: Config, total_steps: int):

@@ -36,6 +36,7 @@ from diffrl.training.reward_overlap import overlap_hook
 from diffrl.training.setup import avoid_cudnn_attention, make_accelerator, make_lr_scheduler
 from diffrl.training.sharding import max_over_processes, reshard, shard_frozen_copy
 from diffrl.training.stages import Credit, Rollout
+from diffrl.training.tracking import init_trackers, log_evaluation_media
 from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
 from diffrl.training.watchdog import check_stalled, no_update_message
 from rewards.combine import MultiReward
@@ -363,8 +364,9 @@ class Trainer:
             sheets = self.cfg.run_dir / "samples"
             if self.acc.is_main_process:
                 sheets.mkdir(parents=True, exist_ok=True)
-            sheet = sheets / f"step-{self.step}.png"
-            out = evaluate(*models, self.eval_prompts, settings, sheet_path=sheet)
+            sheet, media = sheets / f"step-{self.step}.png", {}
+            out = evaluate(*models, self.eval_prompts, settings, sheet_path=sheet, media=media)
+            log_evaluation_media(self.acc, self.step, media)
             if self.train_eval_prompts:
                 subset, count = self.train_eval_prompts, len(self.train_eval_prompts)
                 out.update(evaluate(*models, subset, settings, prefix="eval_train", num_prompts=count))
@@ -386,7 +388,7 @@ class Trainer:
         if self.acc.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
-        self.acc.init_trackers(cfg.run_name)
+        init_trackers(self.acc, cfg)
         self.acc.print(format_plan(self.numbers))
         logger = MetricsLogger(self.acc, run_dir, resume_step=self.step)
         history = []

@@ -86,16 +86,18 @@ def test_ctrl_c_stops_without_a_traceback_and_names_the_checkpoint_to_resume(tmp
     assert _steps(run) == [1, 2, 3, 4]
 
 
-def test_tensorboard_is_on_by_default_and_a_missing_tracker_is_a_note(tmp_path):
-    from diffrl.training.setup import installed_trackers
+def test_tensorboard_is_on_by_default_and_a_missing_tracker_stops_the_start(tmp_path):
+    from diffrl.config import ConfigError
+    from diffrl.training.tracking import check_trackers
 
     run = tmp_path / "run"
     assert load_config("toy_flowgrpo").logging.trackers == ["tensorboard"]
     assert _cli(run) == 0
     assert list((run / "logs").rglob("events.out.tfevents.*")), "no TensorBoard event file"
-    notes = []
-    assert installed_trackers(["tensorboard", "no_such_tracker"], log=notes.append) == ["tensorboard"]
-    assert notes and "'no_such_tracker' but it is not installed" in notes[0]
+    with pytest.raises(
+        ConfigError, match="'no_such_tracker', which is not installed: pip install no_such_tracker"
+    ):
+        check_trackers(["tensorboard", "no_such_tracker"])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,100 @@
+"""Experiment trackers as the peers use them (flow_grpo and Flow-Factory log to W&B): the
+run under a configurable project and entity with its own name, the resolved config as
+hyperparameters, each evaluation's sample sheet and its first images one by one with the
+prompt and the reward in the caption, and the evaluation's table of prompts, seeds,
+images and scores. TensorBoard gets the scalars and hyperparameters; ``metrics.jsonl``
+holds everything in any case.
+
+A tracker named in ``logging.trackers`` that is not installed stops the run at start with
+one line (``pip install 'diffrl[wandb]'``): a run that was meant to be watched and is not
+is found out hours later otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+
+from diffrl.config import ConfigError
+
+_PIP = {"wandb": "pip install 'diffrl[wandb]'", "tensorboard": "pip install tensorboard"}
+
+
+def check_trackers(names: list[str]) -> list[str]:
+    """``names``, each installed; one error naming the first that is not, and its install."""
+    for name in names:  # accelerate's tracker names are their packages' import names
+        if importlib.util.find_spec(name) is None:
+            fix = _PIP.get(name, f"pip install {name}")
+            raise ConfigError(
+                f"logging.trackers names '{name}', which is not installed: {fix}, or drop it from "
+                "logging.trackers (metrics.jsonl is written in any case)"
+            )
+    return list(names)
+
+
+def hyperparameters(cfg) -> dict:
+    """The resolved config as flat ``section.key`` values TensorBoard and W&B both take
+    (lists and mappings as JSON text)."""
+    out = {}
+
+    def walk(node, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
+            elif isinstance(value, (list, tuple, dict)):
+                out[key] = json.dumps(_plain(value), default=str)
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                out[key] = value
+            else:
+                out[key] = str(value)
+
+    walk(cfg, "")
+    return out
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def init_trackers(accelerator, cfg) -> None:
+    """Start the configured trackers: W&B under ``logging.project`` (entity, tags) with the
+    run's name and its folder, TensorBoard under ``logs/<project>``."""
+    lc = cfg.logging
+    wandb = {"name": cfg.run_name, "dir": str(cfg.run_dir), "tags": list(lc.tags)}
+    if lc.entity:
+        wandb["entity"] = lc.entity
+    accelerator.init_trackers(lc.project, config=hyperparameters(cfg), init_kwargs={"wandb": wandb})
+
+
+def log_evaluation_media(accelerator, step: int, media: dict | None, prefix: str = "eval") -> None:
+    """An evaluation's sample sheet, its first images with prompt and reward in each caption,
+    and their table, to W&B (the main process; nothing without a W&B tracker)."""
+    if not media or not accelerator.is_main_process:
+        return
+    try:
+        tracker = accelerator.get_tracker("wandb", unwrap=True)
+    except ValueError:
+        return
+    if not hasattr(tracker, "log"):
+        return  # accelerate's stand-in when the tracker is not running
+    import wandb
+
+    images = [
+        wandb.Image(image, caption=caption) for image, caption in zip(media["images"], media["captions"])
+    ]
+    columns = ["prompt", "seed", "image", *media["score_names"]]
+    rows = [
+        [prompt, seed, image, *scores]
+        for prompt, seed, image, scores in zip(media["prompts"], media["seeds"], images, media["scores"])
+    ]
+    logged = {f"{prefix}/samples": images, f"{prefix}/table": wandb.Table(columns=columns, data=rows)}
+    if media.get("sheet") is not None:
+        logged[f"{prefix}/sheet"] = wandb.Image(str(media["sheet"]))
+    tracker.log(logged, step=step)
