@@ -16,6 +16,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diffrl.models.base import ModelLoadError
     from diffrl.training.checkpoint import CheckpointError
     from diffrl.training.data import PromptFileError
+    from diffrl.training.preflight import PreflightError
     from diffrl.training.watchdog import TrainingStalledError
     from rewards import RewardArgsError, UnknownRewardError
     from rewards.clip_common import MissingRewardWeightsError
@@ -41,6 +42,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         RewardArgsError,
         PromptSetError,
         UnknownPromptSet,
+        PreflightError,
     )
 
 
@@ -56,6 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="override a config value, e.g. --set train.max_steps=2 (repeatable)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the derived run plan and exit")
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="check that every model, reward weight, server and prompt set the run reads is here; "
+        "list what is missing, each with its download command, size and licence gate; exit 2 if any",
+    )
     p.add_argument("--resume", metavar="latest|PATH", help="continue from the newest checkpoint or a path")
     p.add_argument(
         "--overwrite",
@@ -100,12 +108,15 @@ def main(argv=None) -> int:
             from diffrl.twin import full_size_overrides
 
             cfg = load_config(args.config, full_size_overrides(cfg) + list(args.overrides))
+        if args.preflight:
+            return _preflight_only(cfg)
         _check_inputs(cfg)  # before --overwrite may clear a run: a typo must not cost it
         if args.dry_run:
             import os
 
             print(format_plan(derive(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
             return 0
+        _preflight(cfg)  # everything the run reads, before a model is built
         _claim_run_dir(cfg.run_dir, args)
         from diffrl.training.trainer import Trainer
 
@@ -151,6 +162,33 @@ def _check_inputs(cfg) -> None:
     )
     for path in paths:
         check_image_column(load_prompts(path), path, cfg.model.family)
+
+
+def _preflight_only(cfg) -> int:
+    """``--preflight``: the whole list (the main process prints it); 2 if anything is missing."""
+    import os
+
+    from diffrl.training.preflight import preflight, report
+
+    needs = preflight(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(report(needs))
+    return 0 if all(n.found for n in needs) else 2
+
+
+def _preflight(cfg) -> None:
+    """The start's preflight: what the run cannot fetch itself stops it, listed all at once;
+    hub files it is about to download are said (main process)."""
+    import os
+
+    from diffrl.training.preflight import PreflightError, blocking, preflight, report
+
+    needs = preflight(cfg)
+    missing = [n for n in needs if not n.found]
+    if blocking(needs):
+        raise PreflightError(report(missing) + "\n(diffrl-train --preflight checks again without starting)")
+    if missing and int(os.environ.get("RANK", "0")) == 0:
+        print(report(missing).replace("preflight:", "preflight: downloading now;", 1))
 
 
 def _claim_run_dir(run_dir, args) -> None:

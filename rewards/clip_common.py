@@ -92,9 +92,14 @@ def hub_file(reward: str, repo_id: str, filename: str, arg: str = "checkpoint") 
         ) from err
 
 
+def url_file_path(url: str) -> str:
+    """Where :func:`url_file` keeps ``url``'s file: torch.hub's checkpoint cache."""
+    return os.path.join(torch.hub.get_dir(), "checkpoints", unquote(os.path.basename(urlparse(url).path)))
+
+
 def url_file(reward: str, url: str) -> str:
     """Download ``url`` once into torch.hub's checkpoint cache (for weights published outside the hub)."""
-    dst = os.path.join(torch.hub.get_dir(), "checkpoints", unquote(os.path.basename(urlparse(url).path)))
+    dst = url_file_path(url)
     if os.path.isfile(dst):
         return dst
     try:

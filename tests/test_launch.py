@@ -251,10 +251,10 @@ def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
 
 def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
     """The product card's `train.py --config flux_solrl.yaml`: the dry run prints the
-    Sol-RL plan; a real start gets as far as loading its HPSv2.1 reward (rewards load
-    before the model, so bad inputs fail fast), which offline fails with one line saying
-    how to fetch it; with that reward swapped for a weight-free one, it gets to
-    FLUX.1-dev and fails the same way."""
+    Sol-RL plan; a real start offline stops at its preflight, before any model is built,
+    with everything missing listed at once (the HPSv2.1 weights and FLUX.1-dev's folders,
+    each with its download command); with that reward swapped for a weight-free one, the
+    model alone."""
     dry = _run([sys.executable, TRAIN, "--config", "flux_solrl.yaml", "--dry-run", *TOY_PROMPTS])
     assert dry.returncode == 0, dry.stderr
     assert "solrl_explore_nfe_per_iteration          3248" in dry.stdout  # 16 trees x 203 NFE
@@ -270,7 +270,9 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
         ]
     )
     assert start.returncode == 2 and "Traceback" not in start.stderr
-    assert "hpsv21: weights not found" in start.stderr and "hf download xswu/HPSv2" in start.stderr
+    assert start.stderr.count("error: preflight:") == 1
+    assert "hf download xswu/HPSv2 HPS_v2.1_compressed.pt" in start.stderr
+    assert 'hf download black-forest-labs/FLUX.1-dev --include "model_index.json"' in start.stderr
     model = _run(
         [
             sys.executable,
@@ -285,8 +287,8 @@ def test_card_command_flux_solrl_parses_dry_runs_and_starts(tmp_path):
         ]
     )
     assert model.returncode == 2 and "Traceback" not in model.stderr
-    assert "could not load FluxPipeline from 'black-forest-labs/FLUX.1-dev'" in model.stderr
-    assert "model.pretrained: DIR" in model.stderr
+    assert "MISSING  model black-forest-labs/FLUX.1-dev (flux)" in model.stderr
+    assert "hpsv21" not in model.stderr
 
 
 def test_under_accelerate_launch_q_our_error_is_the_last_line():

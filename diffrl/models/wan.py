@@ -34,6 +34,7 @@ class WanAdapter(PipelineAdapter):
 
     family = "wan"
     pipeline_class = WanPipeline
+    weight_components = ("transformer",)  # optional to WanPipeline, read here (the preflight's list)
     temporal_downsample = 4  # causal 3D VAE: F_lat = (F - 1) // 4 + 1, 16 channels at 1/8
     keep_high = keep_high_patterns.WAN
     cond_keys = ("prompt_embeds",)

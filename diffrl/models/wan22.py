@@ -156,6 +156,7 @@ class Wan22Adapter(WanAdapter):
     """Wan 2.2 A14B T2V: Wan 2.1's conditioning and latents, two experts, two CFG scales."""
 
     family = "wan22"
+    weight_components = ("transformer", "transformer_2")  # the two experts
     keep_high = keep_high_patterns.WAN22
     # the Wan 2.1 targets, inside either expert (peft matches name suffixes)
     default_lora_targets = WanAdapter.default_lora_targets

@@ -261,12 +261,13 @@ class FakeHub:
 
     SHA = "0123456789abcdef0123456789abcdef01234567"
 
-    def __init__(self, repo: str, folder):
+    def __init__(self, repo: str, folder, recursive: bool = False, gated=False):
         import hashlib
         import http.server
         import threading
 
-        files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+        found = folder.rglob("*") if recursive else folder.iterdir()
+        files = {str(p.relative_to(folder)): p.read_bytes() for p in found if p.is_file()}
         self.requests = []
         outer = self
 
@@ -282,14 +283,15 @@ class FakeHub:
 
             def do_GET(self):
                 outer.requests.append((self.command, self.path))
-                if self.path.startswith(f"/api/models/{repo}/revision/"):
-                    info = {"id": repo, "sha": outer.SHA, "siblings": [{"rfilename": f} for f in files]}
+                if self.path.split("?")[0] in (f"/api/models/{repo}", f"/api/models/{repo}/revision/main"):
+                    siblings = [{"rfilename": f, "size": len(d)} for f, d in files.items()]
+                    info = {"id": repo, "sha": outer.SHA, "siblings": siblings, "gated": gated}
                     return self.send(json.dumps(info).encode(), "application/json")
                 if self.path.startswith(f"/api/models/{repo}/tree/"):
                     tree = [{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
                             for f, d in files.items()]  # fmt: skip
                     return self.send(json.dumps(tree).encode(), "application/json")
-                name = self.path.rsplit("/", 1)[-1]
+                name = self.path.split("/resolve/", 1)[-1].split("/", 1)[-1]
                 if self.path.startswith(f"/{repo}/resolve/") and name in files:
                     etag = [
                         ("ETag", f'"{hashlib.sha1(files[name]).hexdigest()}"'),

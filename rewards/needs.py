@@ -1,0 +1,145 @@
+"""What each reward reads from disk or the network, without loading it: the preflight's
+list (``diffrl-train --preflight``). A need is one of
+
+* ``{"what", "repo", "files"}``: files of a hub repository (fetched into the hub cache);
+* ``{"what", "repo", "model": True}``: a transformers model folder on the hub (its
+  ``config.json`` and weights);
+* ``{"what", "path"}``: a local file or folder the config names;
+* ``{"what", "url"}``: a server that must answer (a reward server, a VLM endpoint);
+* ``{"what", "path", "download_url"}``: a file the reward downloads from a URL into a
+  cache once (the aesthetic head);
+* ``{"what", "python", "fix"}``: a Python package (an optional engine).
+
+The defaults are the rewards' own (their ``default_pretrained`` and hub files).
+"""
+
+from __future__ import annotations
+
+import os
+
+from rewards.clip_common import looks_like_hub_id
+
+CLIP_L = "openai/clip-vit-large-patch14"
+
+
+def _hub_or_path(what: str, spec: str, filename: str | None = None) -> dict:
+    """A hub model (or file of one) or a local path, as the reward itself resolves ``spec``."""
+    if looks_like_hub_id(spec):
+        need = {"what": what, "repo": spec}
+        return {**need, "files": [filename]} if filename else {**need, "model": True}
+    path = os.path.expanduser(spec)
+    if filename and os.path.isdir(path):
+        path = os.path.join(path, filename)
+    return {"what": what, "path": path}
+
+
+def _hps(name: str, args: dict) -> list[dict]:
+    from rewards.hps import HUB_REPO, RANDOM, HPSv2, HPSv21
+
+    filename = (HPSv21 if name == "hpsv21" else HPSv2).filename
+    checkpoint = args.get("checkpoint")
+    if checkpoint == RANDOM:
+        return []
+    return [_hub_or_path(f"{name} checkpoint", checkpoint or HUB_REPO, filename)]
+
+
+def _imagereward(args: dict) -> list[dict]:
+    from rewards.imagereward import HUB_REPO
+
+    checkpoint = str(args.get("checkpoint", HUB_REPO))
+    needs = [
+        _hub_or_path("imagereward checkpoint", checkpoint, "ImageReward.pt"),
+        _hub_or_path("imagereward med_config", checkpoint, "med_config.json"),
+    ]
+    tokenizer = str(args.get("tokenizer", "bert-base-uncased"))
+    needs.append(_hub_or_path("imagereward tokenizer", tokenizer, "vocab.txt"))
+    return needs
+
+
+def _clip_model(name: str, args: dict, default: str) -> list[dict]:
+    return [_hub_or_path(f"{name} model", str(args.get("pretrained") or default))]
+
+
+def _pickscore(args: dict) -> list[dict]:
+    from rewards.pickscore import PickScore
+
+    pretrained = str(args.get("pretrained") or PickScore.default_pretrained)
+    needs = [_hub_or_path("pickscore model", pretrained)]
+    if looks_like_hub_id(pretrained) or args.get("tokenizer"):  # a local folder may hold its own
+        tokenizer = str(args.get("tokenizer") or PickScore.default_tokenizer)
+        files = ["tokenizer_config.json", "vocab.json", "merges.txt"]
+        needs += [_hub_or_path("pickscore tokenizer", tokenizer, f) for f in files]
+    return needs
+
+
+def _aesthetic(args: dict) -> list[dict]:
+    from rewards.aesthetic import HEAD_URL
+
+    head = str(args.get("head", HEAD_URL))
+    needs = _clip_model("aesthetic", args, CLIP_L)
+    if head.startswith(("http://", "https://")):
+        from rewards.clip_common import url_file_path
+
+        cached = url_file_path(head)  # where the reward downloads it to, once
+        needs.append({"what": "aesthetic head", "path": cached, "download_url": head,
+                      "fix": f"wget '{head}' -O '{cached}'"})  # fmt: skip
+    elif head.startswith("hf://"):
+        repo, _, filename = head[len("hf://") :].rpartition("/")
+        needs.append({"what": "aesthetic head", "repo": repo, "files": [filename]})
+    else:
+        needs.append({"what": "aesthetic head", "path": os.path.expanduser(head)})
+    return needs
+
+
+def _geneval(args: dict) -> list[dict]:
+    detector = str(args.get("detector") or "facebook/mask2former-swin-small-coco-instance")
+    if detector == "shapeworld":
+        return _clip_model("geneval colours", args, CLIP_L) if args.get("clip") else []
+    colours = _clip_model("geneval colours", {"pretrained": args.get("clip")}, CLIP_L)
+    return [_hub_or_path("geneval detector", detector), *colours]
+
+
+def _ocr(args: dict) -> list[dict]:
+    if args.get("engine") == "paddleocr":
+        fix = "pip install 'diffrl[paddleocr]' and a paddlepaddle build"
+        return [{"what": "ocr engine", "python": "paddleocr", "fix": fix}]
+    needs = _clip_model("ocr", args, "microsoft/trocr-base-printed")
+    if args.get("engine") == "trocr_lines":
+        needs.append(
+            {"what": "ocr line detector", "python": "paddleocr", "fix": "pip install 'diffrl[paddleocr]'"}
+        )
+    return needs
+
+
+def _vlm(args: dict) -> list[dict]:
+    if args.get("backend") == "openai":
+        base = str(args.get("base_url", "http://127.0.0.1:8000/v1")).rstrip("/")
+        return [{"what": "vlm_judge server", "url": f"{base}/models"}]
+    return _clip_model("vlm_judge", args, "Qwen/Qwen2.5-VL-7B-Instruct")
+
+
+def _servers(args: dict) -> list[dict]:
+    urls = list(args.get("urls") or []) or [args.get("url")]
+    return [{"what": "reward server", "url": str(u)} for u in urls if u]
+
+
+def reward_needs(name: str, args: dict) -> list[dict]:
+    """What reward ``name`` with ``args`` (a config's reward entry) needs to start."""
+    args = dict(args or {})
+    if name in ("hpsv2", "hpsv21"):
+        return _hps(name, args)
+    if name == "video_frames":
+        return reward_needs(str(args.get("reward", "jpeg_compressibility")), args.get("args") or {})
+    table = {
+        "imagereward": lambda: _imagereward(args),
+        "pickscore": lambda: _pickscore(args),
+        "clipscore": lambda: _clip_model("clipscore", args, CLIP_L),
+        "temporal_consistency": lambda: _clip_model("temporal_consistency", args, CLIP_L),
+        "aesthetic": lambda: _aesthetic(args),
+        "geneval": lambda: _geneval(args),
+        "ocr": lambda: _ocr(args),
+        "vlm_judge": lambda: _vlm(args),
+        "remote": lambda: _servers(args),
+        "reward_server": lambda: _servers(args),
+    }
+    return table[name]() if name in table else []  # weight-free rewards need nothing
