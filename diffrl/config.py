@@ -102,6 +102,11 @@ class SamplingConfig:
         0, "Move the SDE window later every N iterations (MixGRPO sliding window); 0 keeps it fixed."
     )
     sde_window_slide_stride: int = _f(1, "Steps the SDE window moves per slide; it stops at the last step.")
+    sde_window_range: list[int] | None = _f(
+        None,
+        "[lo, hi]: each iteration places the SDE window (its size from sde_window) at a random start in "
+        "lo .. hi - size (Flow-GRPO-Fast's sde_window_range); null keeps the window where sde_window says.",
+    )
 
 
 @dataclass
@@ -353,6 +358,20 @@ class TrainConfig:
     num_inner_epochs: int = _f(1, "Passes over each iteration's samples.")
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "Autocast precision for forward passes.")
     ema_decay: float = _f(0.0, "EMA decay of trainable weights used for evaluation; 0 disables.")
+    ema_update_every: int = _f(
+        1,
+        "Optimizer steps between EMA updates: the average moves after step n when (n + 1) % every == 0 "
+        "(flow_grpo: 8).",
+    )
+    ema_warmup: bool = _f(
+        False,
+        "EMA decay min(ema_decay, (1 + n) / (10 + n)) after optimizer step n (flow_grpo, DiffusionNFT).",
+    )
+    ema_repeats: int = _f(
+        1,
+        "Times each EMA update is applied (flow_grpo steps its EMA once per micro-batch of samples, so each "
+        "update lands once per micro-batch of an optimizer step: 2 in its 32-GPU recipes).",
+    )
     max_skipped_iterations: int = _f(
         5,
         "Stop (non-zero exit) after this many iterations in a row that applied no update because of "
@@ -382,6 +401,11 @@ class EvalConfig:
         "eval_train/...); 0 skips them.",
     )
     seeds: list[int] = _f([0], "Fixed seeds; each prompt is sampled once per seed.")
+    guidance_scale: float | None = _f(
+        None,
+        "Guidance for evaluations (CFG scale or guidance embedding; flow_grpo's sample.eval_guidance_scale); "
+        "null: model.guidance_scale.",
+    )
     at_start: bool = _f(False, "Also evaluate before the first update.")
 
 

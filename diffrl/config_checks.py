@@ -22,6 +22,10 @@ def check(cfg) -> None:
         (cfg.train.gradient_accumulation >= 1, "train.gradient_accumulation must be >= 1"),
         (cfg.train.max_steps >= 0, "train.max_steps must be >= 0"),
         (0 <= cfg.train.ema_decay < 1, "train.ema_decay must be in [0, 1)"),
+        (
+            cfg.train.ema_update_every >= 1 and cfg.train.ema_repeats >= 1,
+            "train.ema_update_every and train.ema_repeats must be >= 1",
+        ),
         (cfg.train.collective_timeout_minutes > 0, "train.collective_timeout_minutes must be > 0"),
         (len(cfg.rewards) >= 1, "rewards: at least one reward is required"),
         (
@@ -88,6 +92,24 @@ def _check_sde_window(sampling) -> None:
     if sampling.sde_window_slide_every < 0 or sampling.sde_window_slide_stride < 1:
         raise ConfigError(
             "sampling.sde_window_slide_every must be >= 0 and sampling.sde_window_slide_stride >= 1"
+        )
+    placement = sampling.sde_window_range
+    if placement is None:
+        return
+    if window is None or sampling.sde_window_slide_every > 0:
+        raise ConfigError(
+            "sampling.sde_window_range places a window at random: it needs sampling.sde_window (whose size "
+            "it keeps) and no sliding (sampling.sde_window_slide_every: 0)"
+        )
+    size = window[1] - window[0]
+    if not (
+        len(placement) == 2
+        and 0 <= placement[0]
+        and placement[0] + size <= min(placement[1], sampling.num_steps)
+    ):
+        raise ConfigError(
+            f"sampling.sde_window_range must be [lo, hi] with room for the window of {size} step(s) within "
+            f"[0, {sampling.num_steps}], got {placement}"
         )
 
 

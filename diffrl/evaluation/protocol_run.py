@@ -69,7 +69,9 @@ def settings_of(trainer) -> dict:
         "resolution": [cfg.model.height, cfg.model.width],
         "num_frames": cfg.model.num_frames,
         "eval_num_steps": cfg.sampling.eval_num_steps or cfg.sampling.num_steps,
-        "guidance_scale": cfg.model.guidance_scale,
+        "guidance_scale": cfg.model.guidance_scale
+        if cfg.eval.guidance_scale is None
+        else cfg.eval.guidance_scale,
         "sampler": "ODE (Euler), deterministic given the seed",
         "dtype": cfg.model.dtype,
         "mixed_precision": cfg.train.mixed_precision,
@@ -90,7 +92,8 @@ def run(a) -> dict | None:
         sampler = SamplerSettings.of(trainer.cfg)
         steps = trainer.cfg.sampling.eval_num_steps or trainer.cfg.sampling.num_steps
         ema = trainer.ema.swapped_in() if (trainer.ema is not None and a.checkpoint != "base") else None
-        with ema or contextlib.nullcontext():
+        guidance = trainer.adapter.guidance_scale_as(trainer.cfg.eval.guidance_scale)
+        with ema or contextlib.nullcontext(), guidance:
             args = (trainer.acc, trainer.adapter, trainer.adapter.transformer, trainer.reward_fn)
             scored = P.score_samples(*args, samples, sampler, steps)
         if not trainer.acc.is_main_process:

@@ -117,6 +117,7 @@ class EvalSettings:
     num_steps: int  # sampling.eval_num_steps, or sampling.num_steps when unset
     sampler: SamplerSettings
     sheet_reward: str  # the first reward's name: the score written under each sheet image
+    guidance_scale: float | None = None  # eval.guidance_scale: null samples with model.guidance_scale
 
     @classmethod
     def of(cls, cfg) -> EvalSettings:
@@ -124,7 +125,9 @@ class EvalSettings:
             return cfg
         steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
         sampler = SamplerSettings.of(cfg)
-        return cls(cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].key)
+        return cls(
+            cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].key, cfg.eval.guidance_scale
+        )
 
 
 @torch.no_grad()
@@ -150,8 +153,8 @@ def evaluate(
     count = s.num_prompts if num_prompts is None else num_prompts
     plan_prompts, keys = eval_plan(prompts, count, s.seeds, tag=prefix)
     local_p, local_k = _process_share(accelerator, plan_prompts, keys)
-    cond = adapter.encode_prompts(local_p)
-    with accelerator.autocast():
+    with adapter.guidance_scale_as(s.guidance_scale), accelerator.autocast():
+        cond = adapter.encode_prompts(local_p)
         traj = rollout_independent(
             adapter, transformer, cond, local_k, s.sampler, num_steps=s.num_steps, kinds=["ode"] * s.num_steps
         )

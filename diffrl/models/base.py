@@ -8,6 +8,7 @@ computed in fp32 outside the model, so no diffusers internals are patched.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -104,7 +105,9 @@ class FlowAdapter(ABC):
     def __init__(self, pipe, model_cfg):
         self.pipe = pipe
         self.cfg = model_cfg
-        self._prompt_cache: OrderedDict[str, Conditioning] = OrderedDict()
+        # keyed by (prompt, whether CFG negatives are encoded): an evaluation with its own
+        # guidance (eval.guidance_scale) may need the negatives training does not
+        self._prompt_cache: OrderedDict[tuple[str, bool], Conditioning] = OrderedDict()
         self._cache_bytes = 0
 
     # -- components -------------------------------------------------------------------
@@ -142,10 +145,11 @@ class FlowAdapter(ABC):
         first). ``one_by_one`` encodes each missing prompt alone, so its embedding does not
         depend on which prompts shared its batch (an evaluation over several processes)."""
         found = {}
+        negatives = bool(getattr(self, "do_cfg", False))
         for p in dict.fromkeys(prompts):
-            if p in self._prompt_cache:
-                self._prompt_cache.move_to_end(p)
-                found[p] = self._prompt_cache[p]
+            if (p, negatives) in self._prompt_cache:
+                self._prompt_cache.move_to_end((p, negatives))
+                found[p] = self._prompt_cache[(p, negatives)]
         missing = [p for p in dict.fromkeys(prompts) if p not in found]
         groups = [[p] for p in missing] if one_by_one else ([missing] if missing else [])
         for group in groups:
@@ -153,10 +157,26 @@ class FlowAdapter(ABC):
                 fresh = self._encode_uncached(group)
             found.update({p: fresh.select([i]) for i, p in enumerate(group)})
         for p in missing:
-            self._remember(p, found[p])
+            self._remember((p, negatives), found[p])
         return Conditioning.cat([found[p] for p in prompts])
 
-    def _remember(self, prompt: str, cond: Conditioning) -> None:
+    @contextlib.contextmanager
+    def guidance_scale_as(self, scale: float | None):
+        """Sample with another guidance value inside the block (the CFG scale, or FLUX's
+        guidance embedding): evaluation's own ``eval.guidance_scale``, as flow_grpo's
+        ``sample.eval_guidance_scale``. None or the same value changes nothing. Prompts
+        encoded inside get the CFG negatives the scale needs."""
+        if scale is None or float(scale) == float(self.cfg.guidance_scale):
+            yield
+            return
+        kept = self.cfg.guidance_scale
+        self.cfg.guidance_scale = float(scale)
+        try:
+            yield
+        finally:
+            self.cfg.guidance_scale = kept
+
+    def _remember(self, prompt: tuple[str, bool], cond: Conditioning) -> None:
         self._prompt_cache[prompt] = cond
         self._cache_bytes += _nbytes(cond)
         while self._cache_bytes > self.PROMPT_CACHE_BYTES and len(self._prompt_cache) > 1:

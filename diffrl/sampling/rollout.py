@@ -240,7 +240,7 @@ def rollout_independent(
     s = SamplerSettings.of(cfg)
     n = num_steps or s.sampling.num_steps
     sigmas = adapter.sigmas(n).float()
-    kinds = kinds or step_kinds(s.sampling, n, iteration)
+    kinds = kinds or step_kinds(s.sampling, n, iteration, seed=s.seed)
     parts, pool = [], ExploredPool(list(keys))
     for start in range(0, len(keys), s.batch_size):
         idx = list(range(start, min(start + s.batch_size, len(keys))))

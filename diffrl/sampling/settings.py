@@ -1,6 +1,7 @@
 """What a sampler reads from the configuration, and nothing else (docs/ARCHITECTURE.md).
 
-A rollout needs the sampling section (steps, step rule, noise level, SDE window), the
+A rollout needs the sampling section (steps, step rule, noise level, SDE window), the run's
+seed (for a randomly placed window), the
 tree section for trees, the rollout batch size and the log-prob convention the
 objective will compare against. :class:`SamplerSettings` gathers exactly these, so that
 samplers never read the objective, the optimizer or the rewards. Samplers accept a full
@@ -18,10 +19,11 @@ class SamplerSettings:
     tree: object  # diffrl.config.TreeConfig (read by tree rollouts only)
     batch_size: int  # rows per transformer forward (rollout.batch_size)
     logprob_reduction: str  # how step log-probs are reduced (objective.logprob_reduction)
+    seed: int = 0  # the run's seed (a randomly placed SDE window is drawn from it and the iteration)
 
     @classmethod
     def of(cls, cfg) -> SamplerSettings:
         """``cfg`` narrowed to the sampler's settings (a SamplerSettings passes through)."""
         if isinstance(cfg, cls):
             return cfg
-        return cls(cfg.sampling, cfg.tree, cfg.rollout.batch_size, cfg.objective.logprob_reduction)
+        return cls(cfg.sampling, cfg.tree, cfg.rollout.batch_size, cfg.objective.logprob_reduction, cfg.seed)

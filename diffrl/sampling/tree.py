@@ -270,7 +270,7 @@ def rollout_tree(
     roots, cond_rows = trees_from_keys(list(keys), spec.leaves)
     n_steps, shape = spec.num_steps, adapter.latent_shape()
     sigmas = adapter.sigmas(n_steps).float()
-    kinds = step_kinds(cfg.sampling, n_steps, iteration, always_sde=spec.split_steps)
+    kinds = step_kinds(cfg.sampling, n_steps, iteration, always_sde=spec.split_steps, seed=cfg.seed)
     levels = spec.noise_levels(cfg.sampling.noise_level)
     draw_scales = spec.draw_scales()
     lay = spec.layout(len(roots))

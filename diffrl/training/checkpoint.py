@@ -180,11 +180,23 @@ def _weights_note(ema) -> dict:
     if ema is None:
         return {"export": "trained", "evaluated": "trained", "trainable.safetensors": "trained"}
     return {
-        "export": f"EMA (decay {ema.decay}, {ema.updates} updates)",
+        "export": f"EMA ({ema_schedule(ema)}; {ema.updates} updates in {ema.steps} optimizer steps)",
         "raw/": "trained",
         "evaluated": "EMA",
         "trainable.safetensors": "trained (exact resume; the EMA resumes from accelerate's state)",
     }
+
+
+def ema_schedule(ema) -> str:
+    """The EMA's schedule in words, as the settings that made it."""
+    words = [f"decay {ema.decay}"]
+    if ema.every > 1:
+        words.append(f"every {ema.every} steps")
+    if ema.repeats > 1:
+        words.append(f"applied {ema.repeats}x")
+    if ema.warmup:
+        words.append("warm-up (1+n)/(10+n)")
+    return ", ".join(words)
 
 
 def _prune(run_dir: Path, keep: int) -> None:

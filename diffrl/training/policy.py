@@ -137,22 +137,49 @@ def upcast_trainable_to_fp32(module: torch.nn.Module) -> None:
 class EMA:
     """Exponential moving average of parameters (used for evaluation when enabled).
 
-    ``warmup`` uses decay min(decay, (1 + n) / (10 + n)) at the n-th update, so early
-    averages are not dominated by the initial weights (used by toy-model pretraining,
-    which starts from random weights; RL starts from a trained model and uses none).
+    :meth:`update` is called after every applied optimizer step; n counts those steps.
+    The average moves after step n when (n + 1) % ``every`` == 0, with decay d(n) =
+    min(decay, (1 + n) / (10 + n)) under ``warmup`` (early averages are not dominated by
+    the initial weights), else ``decay``; each such update is applied ``repeats`` times.
+    This is flow_grpo's and DiffusionNFT's ``EMAModuleWrapper`` (``flow_grpo/ema.py``:
+    ``get_current_decay``, ``step``); flow_grpo builds it with decay 0.9 and
+    ``update_step_interval`` 8 (``scripts/train_sd3.py``) and calls ``step`` once per
+    micro-batch of samples rather than once per optimizer step, so at its 2 micro-batches
+    per optimizer step every update lands twice (``repeats`` 2). With the defaults
+    (every 1, repeats 1) it is the plain per-step average; toy pretraining uses warm-up.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], decay: float, warmup: bool = False):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        decay: float,
+        warmup: bool = False,
+        every: int = 1,
+        repeats: int = 1,
+    ):
+        if every < 1 or repeats < 1:
+            raise ValueError(f"EMA every ({every}) and repeats ({repeats}) must be at least 1")
         self.params = list(params)
-        self.decay, self.warmup, self.updates = decay, warmup, 0
+        self.decay, self.warmup, self.every, self.repeats = decay, warmup, every, repeats
+        self.steps = 0  # optimizer steps seen
+        self.updates = 0  # steps at which the average moved
         self.shadow = [p.detach().clone().float() for p in self.params]  # shards under FSDP
+
+    def decay_at(self, step: int) -> float:
+        """The decay used after optimizer step ``step`` (1-based)."""
+        return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
 
     @torch.no_grad()
     def update(self) -> None:
+        """After an optimizer step: count it, and move the average if the schedule says so."""
+        self.steps += 1
+        if (self.steps + 1) % self.every:
+            return
         self.updates += 1
-        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
-        for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach().float(), 1.0 - decay)
+        weight = 1.0 - self.decay_at(self.steps)
+        for _ in range(self.repeats):
+            for s, p in zip(self.shadow, self.params):
+                s.lerp_(p.detach().float(), weight)
 
     @contextlib.contextmanager
     def swapped_in(self):
@@ -179,11 +206,17 @@ class EMA:
     def state_dict(self) -> dict:
         """Whole shadows, also under FSDP (collective there; accelerate calls it on every
         process and the main one writes)."""
-        return {"decay": self.decay, "updates": self.updates, "shadow": [whole(s).cpu() for s in self.shadow]}
+        return {
+            "decay": self.decay,
+            "steps": self.steps,
+            "updates": self.updates,
+            "shadow": [whole(s).cpu() for s in self.shadow],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.shadow = [like(s.float(), p.detach().float()) for s, p in zip(state["shadow"], self.params)]
         self.updates = state.get("updates", 0)
+        self.steps = state.get("steps", self.updates)  # before the schedule, one update per step
 
 
 class OldPolicy(EMA):

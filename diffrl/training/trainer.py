@@ -123,8 +123,17 @@ class Trainer:
         registered here, in a fixed order (accelerate names their files by position)."""
         self.counters = UpdateCounters()
         self.acc.register_for_checkpointing(self.scheduler)
+        t = cfg.train
         self.ema = (
-            EMA(self.policy.trainable_parameters(), cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+            EMA(
+                self.policy.trainable_parameters(),
+                t.ema_decay,
+                t.ema_warmup,
+                t.ema_update_every,
+                t.ema_repeats,
+            )
+            if t.ema_decay > 0
+            else None
         )
         self.acc.register_for_checkpointing(self.counters)
         if self.ema is not None:
@@ -348,6 +357,7 @@ class Trainer:
         metrics.update(
             {
                 "skipped/nonfinite_loss": self.counters.skipped_nonfinite_loss,
+                "skipped/fp16_overflow": self.counters.skipped_fp16_overflow,
                 "skipped/nonfinite_reward": self.counters.skipped_nonfinite_reward,
                 "optimizer_steps": self.counters.optimizer_steps,
                 "lr": self.scheduler.get_last_lr()[0],
@@ -402,7 +412,8 @@ class Trainer:
             desc="train",
         )
         while self.step < cfg.train.max_steps:
-            before = (self.counters.optimizer_steps, self.counters.skipped_nonfinite_loss)
+            c = self.counters
+            before = (c.optimizer_steps, c.skipped_nonfinite_loss, c.skipped_fp16_overflow)
             metrics = self.train_step(self.step)
             self.step += 1
             self._watch_updates(metrics, before)
@@ -425,11 +436,24 @@ class Trainer:
         self.acc.end_training()
         return history
 
-    def _watch_updates(self, metrics: dict, before: tuple[int, int]) -> None:
-        """Say so when an iteration applied no update; stop after too many in a row."""
+    def _watch_updates(self, metrics: dict, before: tuple[int, int, int]) -> None:
+        """Say so when an iteration applied no update; stop after too many in a row. An
+        iteration whose every step the fp16 gradient scaler skipped is not held against
+        the run: the scaler lowers its scale at each overflow and recovers by itself."""
         c = self.counters
         if c.optimizer_steps > before[0]:
             c.iterations_without_update = 0
+            return
+        overflows = c.skipped_fp16_overflow - before[2]
+        if (
+            overflows
+            and c.skipped_nonfinite_loss == before[1]
+            and not metrics.get("reward/nonfinite_samples")
+        ):
+            say(
+                self.acc,
+                f"iteration {self.step}: the fp16 gradient scaler skipped {overflows} step(s) (overflow)",
+            )
             return
         c.iterations_without_update += 1
         say(self.acc, no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))

@@ -65,6 +65,7 @@ class UpdateCounters:
     optimizer_steps: int = 0
     skipped_nonfinite_loss: int = 0
     skipped_nonfinite_reward: int = 0
+    skipped_fp16_overflow: int = 0  # steps the fp16 gradient scaler skipped (it lowers its scale)
     iterations_without_update: int = 0  # in a row, up to the last iteration (diffrl.training.watchdog)
 
     def state_dict(self) -> dict:
@@ -88,6 +89,13 @@ def _any_process(accelerator, flag) -> bool:
     one collective and one host read."""
     t = torch.as_tensor(flag, device=accelerator.device).float().reshape(1)
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+
+
+def _any_process_each(accelerator, *flags) -> list[bool]:
+    """For each flag (a bool tensor on the device), whether it is true on any process: one
+    collective and one host read for all of them."""
+    t = torch.stack([torch.as_tensor(f, device=accelerator.device).float().reshape(()) for f in flags])
+    return [bool(v > 0) for v in accelerator.reduce(t, reduction="sum").tolist()]
 
 
 def _means(totals: dict[str, list], device) -> dict[str, float]:
@@ -268,7 +276,8 @@ class Updater:
         # run their backward, and one check before the optimizer step (a collective, so
         # every process agrees) discards the whole gradient if any loss or the gradient norm
         # was non-finite. One host read per optimizer step instead of one per pass.
-        nonfinite = torch.zeros((), dtype=torch.bool, device=self.acc.device)
+        bad_loss = torch.zeros((), dtype=torch.bool, device=self.acc.device)
+        bad_grad = torch.zeros((), dtype=torch.bool, device=self.acc.device)
         for i, p in enumerate(passes):
             batch = self._step_batch(traj, cond, advantages, p)
             if self.forward_process and not p.anchor:
@@ -277,7 +286,7 @@ class Updater:
             sync = contextlib.nullcontext() if last or self.fsdp else self.acc.no_sync(self.model)
             with sync, self.acc.autocast():
                 loss, stats = (anchor_loss if p.anchor else self.objective)(ctx, batch)
-                nonfinite = nonfinite | ~torch.isfinite(whole(loss)).to(nonfinite.device)
+                bad_loss = bad_loss | ~torch.isfinite(whole(loss)).to(bad_loss.device)
                 num, den = p.share
                 # num == 1: divide only, as before shares existed (keeps old runs bitwise equal)
                 self.acc.backward(loss * num / den if num != 1 else loss / den)
@@ -288,16 +297,20 @@ class Updater:
         if max_norm > 0:
             grad_norm = self.acc.clip_grad_norm_(self.policy.trainable_parameters(), max_norm)
             grad_norm = whole(grad_norm)  # under FSDP a replicated DTensor: its local value
-            nonfinite = nonfinite | ~torch.isfinite(grad_norm).to(nonfinite.device)
+            bad_grad = bad_grad | ~torch.isfinite(grad_norm).to(bad_grad.device)
         # discard the gradient: a blow-up is never applied, only counted
-        if _any_process(self.acc, nonfinite):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.counters.skipped_nonfinite_loss += 1
+        any_bad_loss, any_bad_grad = _any_process_each(self.acc, bad_loss, bad_grad)
+        if any_bad_loss or any_bad_grad:
+            self._skip_step(overflow_only=not any_bad_loss)
             return
         # the scheduler is stepped here, once per optimizer step, rather than by accelerate
         # (which would step it once per process); the EMA and Sol-RL's stale mark follow
         # every applied step, never a skipped one
         self.optimizer.step()
+        if getattr(self.optimizer, "step_was_skipped", False):  # fp16 scaler, no clipping to see it
+            self.optimizer.zero_grad(set_to_none=True)
+            self.counters.skipped_fp16_overflow += 1
+            return
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.counters.optimizer_steps += 1
@@ -307,6 +320,25 @@ class Updater:
             hook()
         if grad_norm is not None:
             totals["grad_norm"].append(grad_norm)
+
+    def _skip_step(self, overflow_only: bool) -> None:
+        """Discard this step's gradient. Under fp16 a gradient scaler is at work (accelerate
+        makes one for ``train.mixed_precision: fp16`` on CUDA). A gradient that overflowed
+        while every loss was finite is then the scaler's normal, self-correcting event:
+        the scale is lowered by its backoff factor, as its own ``step`` would on an inf,
+        and the skip is counted apart (``skipped/fp16_overflow``), never held against the
+        run. The scale is set here rather than left to the scaler's ``step``, which would
+        apply a gradient whose norm overflowed while each element stayed finite. A
+        non-finite loss is counted as one (``skipped/nonfinite_loss``), scaler or not."""
+        scaler = getattr(self.acc, "scaler", None)
+        if scaler is not None:
+            factor = scaler.get_backoff_factor() if overflow_only else 1.0
+            scaler.update(scaler.get_scale() * factor)  # also forgets this step's unscale
+        if scaler is not None and overflow_only:
+            self.counters.skipped_fp16_overflow += 1
+        else:
+            self.counters.skipped_nonfinite_loss += 1
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _step_batch(self, traj, cond, advantages, p: Pass) -> StepBatch:
         device, t = self.acc.device, p.t

@@ -21,7 +21,7 @@ def test_the_cache_stays_within_its_bytes_and_drops_the_least_recently_used(monk
     adapter.encode_prompts(["a dog", "a fox"])
     adapter.encode_prompts(["a red cat"])  # used again: now the most recent
     adapter.encode_prompts(["a cow"])
-    assert list(adapter._prompt_cache) == ["a fox", "a red cat", "a cow"]
+    assert [prompt for prompt, _ in adapter._prompt_cache] == ["a fox", "a red cat", "a cow"]
     assert adapter._cache_bytes == 3 * one
     again = adapter.encode_prompts(["a dog"])  # evicted, encoded anew: the same embedding
     torch.testing.assert_close(again.tensors, adapter._encode_uncached(["a dog"]).tensors)

@@ -75,7 +75,10 @@ def test_the_export_is_the_ema_and_draws_the_evaluation_s_samples(run):
 def test_meta_and_the_closing_lines_say_which_weights_are_which(run, capsys):
     trainer, checkpoint = run
     weights = json.loads((checkpoint / "meta.json").read_text())["weights"]
-    assert weights["evaluated"] == "EMA" and weights["export"].startswith("EMA (decay 0.5, 2 updates)")
+    assert (
+        weights["evaluated"] == "EMA"
+        and weights["export"] == "EMA (decay 0.5; 2 updates in 2 optimizer steps)"
+    )
     assert (
         weights["raw/"] == "trained"
         and "raw/pytorch_lora_weights.safetensors"
