@@ -95,6 +95,11 @@ class SamplingConfig:
     )
     noise_level: float = _f(0.7, "Noise scale: a for sde/cps, eta for dance.")
     eval_num_steps: int | None = _f(None, "Steps for evaluation (ODE); null uses num_steps.")
+    sigma_shift: float | None = _f(
+        None,
+        "A fixed time shift s t / (1 + (s - 1) t) over linspace(1, 0, N + 1) in place of the pipeline's "
+        "sigma grid (DanceGRPO and BranchGRPO: 3); null: the pipeline scheduler's own grid.",
+    )
     sde_window: list[int] | None = _f(
         None, "[start, end) step indices that use the SDE; other steps use the ODE. Null: all steps."
     )
@@ -115,6 +120,11 @@ class RolloutConfig:
     prompts_per_step: int = _f(2, "Distinct prompts per iteration (across all processes).")
     group_size: int = _f(4, "Samples per prompt (the GRPO group).")
     batch_size: int = _f(8, "Samples per transformer forward during rollouts, per process.")
+    same_noise: bool = _f(
+        False,
+        "Every sample of a group starts from the same initial noise and differs only by its SDE noise "
+        "(DanceGRPO's init_same_noise, flow_grpo's sample.same_latent); evaluations keep one noise per seed.",
+    )
 
 
 @dataclass
@@ -277,6 +287,16 @@ class ObjectiveConfig:
     clip_range: float = _f(1e-4, "PPO ratio clip epsilon.")
     adv_clip_max: float = _f(5.0, "Advantages are clipped to [-adv_clip_max, adv_clip_max].")
     timestep_fraction: float = _f(1.0, "Fraction of trainable denoising steps used per sample.")
+    skip_last_step: bool = _f(
+        False,
+        "Never train the last denoising step (DanceGRPO's and BranchGRPO's ignore_last): it is still "
+        "sampled, but its Gaussian is the narrowest and its log-prob the least stable.",
+    )
+    timestep_selection: Literal["random", "first"] = _f(
+        "random",
+        "Which timestep_fraction of the steps: a random subset per micro-batch (DanceGRPO, DiffusionNFT), or "
+        "the first ones (flow_grpo's train_sd3.py: 0.99 of 10 steps trains steps 0-8, never the last).",
+    )
     kl_coef: float = _f(0.0, "Weight of the KL to the reference policy.")
     kl_type: Literal["exact", "flow_grpo"] = _f(
         "exact",

@@ -40,6 +40,11 @@ def check(cfg) -> None:
     _check_sde_window(cfg.sampling)
     if cfg.rollout.strategy == "tree":
         _check_tree(cfg)
+        if cfg.objective.timestep_selection == "first":
+            raise ConfigError(
+                "objective.timestep_selection: first is for independent rollouts; a tree keeps the "
+                "timestep_fraction share of each step's edges (set it to random)"
+            )
     if cfg.solrl.enabled:
         _check_solrl(cfg)
     obj = cfg.objective

@@ -27,8 +27,10 @@ WEIGHT_FREE = (
     "shapeworld",
     "shapeworld_edit",
     "shapeworld_video",
+    "random_control",
 )
-_STAND_INS = ("jpeg_compressibility", "jpeg_incompressibility")
+# three distinct stand-ins: a config of three model rewards (DiffusionNFT's) keeps three
+_STAND_INS = ("jpeg_compressibility", "jpeg_incompressibility", "random_control")
 
 
 def _rewards(cfg) -> list[dict]:

@@ -24,6 +24,7 @@ breakdown, say): its mean and standard error leave those samples out, and
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -124,7 +125,8 @@ class EvalSettings:
         if isinstance(cfg, cls):
             return cfg
         steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
-        sampler = SamplerSettings.of(cfg)
+        # one initial noise per evaluation seed, whatever the training rollouts share
+        sampler = dataclasses.replace(SamplerSettings.of(cfg), same_noise=False)
         return cls(
             cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].key, cfg.eval.guidance_scale
         )

@@ -53,6 +53,10 @@ REWARD_ARCH = {
     "temporal_consistency": "ViT-L-14",
 }
 IMAGEREWARD_PARAMS = 447e6
+# rewards whose models are not open_clip ones, by their published parameter counts: GenEval's
+# Mask2Former Swin-S (69M) and CLIP ViT-L/14 colour classifier (428M); OCR's TrOCR-base
+# (334M; the PaddleOCR engine runs in Paddle's own memory, a few tens of MB, not counted)
+OTHER_REWARD_PARAMS = {"geneval": 69e6 + 428e6, "ocr": 334e6}
 # per transformer weight, on Hopper: auto is FP8 through torchao there (one byte), NVFP4
 # is simulated over BF16 weights (modelopt or the reference quantizer)
 EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0, "auto": 1.0}
@@ -71,6 +75,10 @@ def reward_params(spec) -> float:
         name = args.get("reward", "jpeg_compressibility")
     if name == "imagereward":
         return IMAGEREWARD_PARAMS
+    if name == "ocr" and args.get("engine") == "paddleocr":
+        return 0.0
+    if name in OTHER_REWARD_PARAMS:
+        return OTHER_REWARD_PARAMS[name]
     if name not in REWARD_ARCH:
         return 0.0  # weight-free (jpeg, shapeworld)
     import open_clip

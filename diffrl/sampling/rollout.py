@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from diffrl.sampling import rng
+from diffrl.sampling.schedule import sigma_grid
 from diffrl.sampling.sde import step
 from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.windows import step_kinds
@@ -142,7 +143,12 @@ class ExploredPool:
         self.nfe += part.nfe
 
 
-def initial_noise(shape, keys) -> torch.Tensor:
+def initial_noise(shape, keys, same_in_group: bool = False) -> torch.Tensor:
+    """One initial noise per sample key; with ``same_in_group`` the noise of the group's
+    first sample for every member (a key is (seed, step, prompt, sample); DanceGRPO's
+    ``init_same_noise``)."""
+    if same_in_group:
+        keys = [(*k[:-1], 0) for k in keys]
     return rng.randn_batch(shape, keys, "init")
 
 
@@ -239,13 +245,15 @@ def rollout_independent(
     """
     s = SamplerSettings.of(cfg)
     n = num_steps or s.sampling.num_steps
-    sigmas = adapter.sigmas(n).float()
+    sigmas = sigma_grid(adapter, n, s.sampling.sigma_shift)
     kinds = kinds or step_kinds(s.sampling, n, iteration, seed=s.seed)
     parts, pool = [], ExploredPool(list(keys))
     for start in range(0, len(keys), s.batch_size):
         idx = list(range(start, min(start + s.batch_size, len(keys))))
-        args = (cond.select(idx), [keys[i] for i in idx], sigmas, kinds, s.sampling.noise_level)
-        part = _decoded_chunk(adapter, transformer, args, s.logprob_reduction, keep_noise, keep_steps)
+        chunk_keys = [keys[i] for i in idx]
+        args = (cond.select(idx), chunk_keys, sigmas, kinds, s.sampling.noise_level)
+        init = initial_noise(adapter.latent_shape(), chunk_keys, True) if s.same_noise else None
+        part = _decoded_chunk(adapter, transformer, args, s.logprob_reduction, keep_noise, keep_steps, init)
         if on_images is not None:
             on_images(idx, part.images)
         if keep_steps:
@@ -255,10 +263,10 @@ def rollout_independent(
     return Trajectory.cat(parts, consume=True) if keep_steps else pool
 
 
-def _decoded_chunk(adapter, transformer, args, reduction, keep_noise: bool, keep_steps: bool):
+def _decoded_chunk(adapter, transformer, args, reduction, keep_noise: bool, keep_steps: bool, init=None):
     """One chunk denoised and decoded; without ``keep_steps`` only its keys, NFE and
     images leave this function (the chunk's trajectory is freed on return)."""
-    traj = denoise(adapter, transformer, *args, reduction, keep_noise=keep_noise)
+    traj = denoise(adapter, transformer, *args, reduction, init_noise=init, keep_noise=keep_noise)
     with torch.no_grad():
         traj.images = adapter.decode(traj.latents[:, -1]).float()
     return traj if keep_steps else ExploredPool(traj.keys, traj.nfe, traj.images)

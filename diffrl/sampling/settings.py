@@ -20,10 +20,18 @@ class SamplerSettings:
     batch_size: int  # rows per transformer forward (rollout.batch_size)
     logprob_reduction: str  # how step log-probs are reduced (objective.logprob_reduction)
     seed: int = 0  # the run's seed (a randomly placed SDE window is drawn from it and the iteration)
+    same_noise: bool = False  # rollout.same_noise: a group's samples share their initial noise
 
     @classmethod
     def of(cls, cfg) -> SamplerSettings:
         """``cfg`` narrowed to the sampler's settings (a SamplerSettings passes through)."""
         if isinstance(cfg, cls):
             return cfg
-        return cls(cfg.sampling, cfg.tree, cfg.rollout.batch_size, cfg.objective.logprob_reduction, cfg.seed)
+        return cls(
+            cfg.sampling,
+            cfg.tree,
+            cfg.rollout.batch_size,
+            cfg.objective.logprob_reduction,
+            cfg.seed,
+            cfg.rollout.same_noise,
+        )

@@ -41,6 +41,7 @@ import torch
 
 from diffrl.sampling import rng
 from diffrl.sampling.rollout import Trajectory, initial_noise
+from diffrl.sampling.schedule import sigma_grid
 from diffrl.sampling.sde import step
 from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.tree_spec import TreeSpec
@@ -269,7 +270,7 @@ def rollout_tree(
     spec = spec or TreeSpec.from_config(cfg)
     roots, cond_rows = trees_from_keys(list(keys), spec.leaves)
     n_steps, shape = spec.num_steps, adapter.latent_shape()
-    sigmas = adapter.sigmas(n_steps).float()
+    sigmas = sigma_grid(adapter, n_steps, cfg.sampling.sigma_shift)
     kinds = step_kinds(cfg.sampling, n_steps, iteration, always_sde=spec.split_steps, seed=cfg.seed)
     levels = spec.noise_levels(cfg.sampling.noise_level)
     draw_scales = spec.draw_scales()

@@ -53,6 +53,7 @@ class PassSettings:
     timestep_fraction: float  # objective.timestep_fraction
     anchor_fraction: float  # objective.anchor_fraction
     loss_weighting: str  # tree.loss_weighting: "edge" or "depth"
+    timestep_selection: str = "random"  # objective.timestep_selection: "random" or "first"
 
     @classmethod
     def of(cls, cfg) -> PassSettings:
@@ -67,6 +68,7 @@ class PassSettings:
             o.timestep_fraction,
             o.anchor_fraction,
             cfg.tree.loss_weighting,
+            o.timestep_selection,
         )
 
 
@@ -112,9 +114,14 @@ def trained_step_count(fraction: float, n: int) -> int:
     return max(1, int(fraction * n))
 
 
-def train_timesteps(trainable: list[int], fraction: float, *key, round_up: bool = False) -> list[int]:
+def train_timesteps(
+    trainable: list[int], fraction: float, *key, round_up: bool = False, first: bool = False
+) -> list[int]:
     """A keyed random subset of :func:`trained_step_count` trainable steps (ceil(fraction
-    * len) with ``round_up``), in time order."""
+    * len) with ``round_up``), in time order; with ``first``, the first ones, as
+    flow_grpo's ``scripts/train_sd3.py`` trains steps ``range(num_train_timesteps)`` (0.99
+    of 10 steps: steps 0-8, never the last, whose narrow Gaussian makes the log-prob the
+    least stable)."""
     k = (
         max(1, math.ceil(fraction * len(trainable)))
         if round_up
@@ -122,6 +129,8 @@ def train_timesteps(trainable: list[int], fraction: float, *key, round_up: bool 
     )
     if k >= len(trainable):
         return list(trainable)
+    if first:
+        return list(trainable[:k])
     perm = torch.randperm(len(trainable), generator=rng.generator(*key))[:k]
     return sorted(trainable[i] for i in perm.tolist())
 
@@ -158,6 +167,7 @@ def sample_major(
     micro-batch of a multiple of the group size holds whole groups."""
     s = PassSettings.of(cfg)
     mb, accum = s.micro_batch_size, s.gradient_accumulation
+    first = s.timestep_selection == "first"
     order = _shuffled(n, groups, rng.generator(s.seed, "shuffle", step, epoch))
     batches = [order[i : i + mb] for i in range(0, n, mb)]
     anchored = list(anchored)
@@ -167,7 +177,9 @@ def sample_major(
         pairs = [
             (idx, t)
             for j, idx in chunk
-            for t in train_timesteps(trainable, s.timestep_fraction, s.seed, "t", step, epoch, start, j)
+            for t in train_timesteps(
+                trainable, s.timestep_fraction, s.seed, "t", step, epoch, start, j, first=first
+            )
         ]
         passes = [Pass(idx, t, (1, len(pairs)), _counted(keep, idx)) for idx, t in pairs]
         if anchored:

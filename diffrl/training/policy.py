@@ -12,6 +12,10 @@ import torch
 from diffrl.sampling import rng
 from diffrl.training.sharding import gathered_to_cpu, is_sharded, like, reshard, whole
 
+# LoRA's initialisation: A ~ N(0, 1/r), B = 0 (peft's "gaussian"), as flow_grpo's
+# train_sd3.py and the other references start their LoRA
+LORA_INIT = "gaussian"
+
 
 class Policy:
     """Owns what is trained. LoRA: the reference is the same transformer with adapters
@@ -43,7 +47,7 @@ class Policy:
                         r=model_cfg.lora.rank,
                         lora_alpha=model_cfg.lora.alpha,
                         lora_dropout=model_cfg.lora.dropout,
-                        init_lora_weights="gaussian",
+                        init_lora_weights=LORA_INIT,
                         target_modules=targets,
                     )
                 )

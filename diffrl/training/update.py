@@ -176,6 +176,8 @@ class Updater:
         if train is None:
             plan = self._sample_plan(traj, keep, step)
         else:
+            if s.objective.skip_last_step:  # the edges into the last depth are the last step's
+                train = train & (traj.depth.to(train.device) != traj.num_steps)
             # everything pruned on every process: nothing to update. Asked of all processes
             # (a collective): one with no edges of its own still runs the padded passes
             if not _any_process(self.acc, bool(train.any())):
@@ -193,6 +195,8 @@ class Updater:
         s = self.settings
         # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
         trainable = self._forward_steps(traj) if self.forward_process else traj.trainable_steps()
+        if s.objective.skip_last_step:  # DanceGRPO's ignore_last: sampled, never trained
+            trainable = [t for t in trainable if t != traj.num_steps - 1]
         if not trainable:
             raise ValueError(
                 "no trainable denoising steps: sampling.sde_type is 'ode' or the SDE window is empty"

@@ -189,3 +189,33 @@ def test_sample_major_carries_keep_as_row_weights_of_policy_and_anchor_passes():
             assert (p.rows, p.t, p.share, p.anchor) == (q.rows, q.t, q.share, q.anchor)
             assert p.row_weights().tolist() == [1.0] * len(p.rows)
             assert q.row_weights().tolist() == [float(keep[r]) for r in q.rows]
+
+
+@pytest.mark.parametrize("selection", ["random", "first"])
+def test_timestep_selection_first_trains_flow_grpo_s_steps(selection):
+    """0.99 of 10 steps: 9 per sample either way; ``first`` always steps 0-8 (flow_grpo's
+    ``range(num_train_timesteps)``), ``random`` leaves out varying steps, the last one
+    included sometimes."""
+    cfg = load_config(
+        "toy_flowgrpo",
+        [
+            "objective.timestep_fraction=0.99",
+            f"objective.timestep_selection={selection}",
+            "train.micro_batch_size=4",
+            "train.gradient_accumulation=1",
+        ],
+    )
+    groups = sample_major(64, list(range(10)), cfg, 0, 0)
+    per_batch = [sorted({p.t for p in g}) for g in groups]
+    assert all(len(steps) == 9 for steps in per_batch)
+    if selection == "first":
+        assert all(steps == list(range(9)) for steps in per_batch)
+    else:
+        assert any(9 in steps for steps in per_batch) and len({tuple(s) for s in per_batch}) > 1
+
+
+def test_first_timesteps_are_refused_for_trees():
+    from diffrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="first is for independent rollouts"):
+        _cfg("objective.timestep_selection=first")
