@@ -95,6 +95,11 @@ class SamplingConfig:
     )
     noise_level: float = _f(0.7, "Noise scale: a for sde/cps, eta for dance.")
     eval_num_steps: int | None = _f(None, "Steps for evaluation (ODE); null uses num_steps.")
+    ode_solver: Literal["euler", "dpm2"] = _f(
+        "euler",
+        "The deterministic rollouts' solver: Euler, or DPM-Solver++(2M) (DiffusionNFT's dpm2; needs "
+        "sde_type ode and independent rollouts). Evaluations take Euler steps either way, as DiffusionNFT's.",
+    )
     sigma_shift: float | None = _f(
         None,
         "A fixed time shift s t / (1 + (s - 1) t) over linspace(1, 0, N + 1) in place of the pipeline's "
@@ -157,6 +162,11 @@ class TreeConfig:
     )
     depth_pruning: list[int] = _f(
         [], "Denoising steps whose edges are not backpropagated (the rollout is unchanged)."
+    )
+    edges_per_step: int = _f(
+        0,
+        "0: an iteration's trained edges are spread over ceil(leaves / (micro_batch x accumulation)) "
+        "optimizer steps; N: one optimizer step per N trained edges of a process (BranchGRPO's loop).",
     )
     loss_weighting: Literal["edge", "depth"] = _f(
         "edge",

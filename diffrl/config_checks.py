@@ -12,6 +12,36 @@ from diffrl.config import ConfigError
 
 def check(cfg) -> None:
     """Cross-field checks that types alone cannot express."""
+    _check_ranges(cfg)
+    _check_sampling(cfg)
+    if cfg.solrl.enabled:
+        _check_solrl(cfg)
+    obj = cfg.objective
+    if (
+        obj.nft_beta <= 0
+        or obj.nft_old_decay_flat < 0
+        or obj.nft_old_decay_rate < 0
+        or not 0 <= obj.nft_old_decay_max < 1
+    ):
+        raise ConfigError(
+            "objective.nft_beta must be > 0, nft_old_decay_flat and nft_old_decay_rate >= 0, "
+            "nft_old_decay_max in [0, 1)"
+        )
+    if obj.nft_sample_with == "old" and (obj.name != "nft" or cfg.solrl.enabled):
+        raise ConfigError(
+            "objective.nft_sample_with old needs objective.name nft and no solrl (Sol-RL explores "
+            "with its own copy of the trained weights)"
+        )
+    _check_objective(cfg)
+    _check_model(cfg)
+    _check_toy_prompts(cfg)
+    if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
+        raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
+    _check_tree_anchor(cfg)
+
+
+def _check_ranges(cfg) -> None:
+    """Single values out of their range."""
     checks = [
         (cfg.rollout.group_size >= 2, "rollout.group_size must be >= 2 for group-relative advantages"),
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
@@ -37,7 +67,18 @@ def check(cfg) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def _check_sampling(cfg) -> None:
+    """The SDE window, the solver and the strategy's own settings."""
     _check_sde_window(cfg.sampling)
+    if cfg.sampling.ode_solver == "dpm2" and (
+        cfg.sampling.sde_type != "ode" or cfg.rollout.strategy != "independent"
+    ):
+        raise ConfigError(
+            "sampling.ode_solver: dpm2 is a multistep solver for deterministic rollouts: it needs "
+            "sampling.sde_type: ode and rollout.strategy: independent"
+        )
     if cfg.rollout.strategy == "tree":
         _check_tree(cfg)
         if cfg.objective.timestep_selection == "first":
@@ -45,30 +86,6 @@ def check(cfg) -> None:
                 "objective.timestep_selection: first is for independent rollouts; a tree keeps the "
                 "timestep_fraction share of each step's edges (set it to random)"
             )
-    if cfg.solrl.enabled:
-        _check_solrl(cfg)
-    obj = cfg.objective
-    if (
-        obj.nft_beta <= 0
-        or obj.nft_old_decay_flat < 0
-        or obj.nft_old_decay_rate < 0
-        or not 0 <= obj.nft_old_decay_max < 1
-    ):
-        raise ConfigError(
-            "objective.nft_beta must be > 0, nft_old_decay_flat and nft_old_decay_rate >= 0, "
-            "nft_old_decay_max in [0, 1)"
-        )
-    if obj.nft_sample_with == "old" and (obj.name != "nft" or cfg.solrl.enabled):
-        raise ConfigError(
-            "objective.nft_sample_with old needs objective.name nft and no solrl (Sol-RL explores "
-            "with its own copy of the trained weights)"
-        )
-    _check_objective(cfg)
-    _check_model(cfg)
-    _check_toy_prompts(cfg)
-    if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
-        raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
-    _check_tree_anchor(cfg)
 
 
 def _check_tree_anchor(cfg) -> None:
@@ -232,6 +249,8 @@ def _check_tree(cfg) -> None:
         )
     if cfg.sampling.sde_type == "ode":
         raise ConfigError("tree splits need a stochastic step: set sampling.sde_type to sde, cps or dance")
+    if tree.edges_per_step < 0:
+        raise ConfigError("tree.edges_per_step must be >= 0 (0: the leaves decide the optimizer steps)")
     if tree.split_noise_scale <= 0 or tree.fusion_temperature <= 0 or not 0 < tree.width_keep_fraction <= 1:
         raise ConfigError(
             "tree.split_noise_scale and tree.fusion_temperature must be > 0, "

@@ -12,7 +12,6 @@ table) and ``<out>/<protocol>.json`` (the table, the settings, every image's sco
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -90,7 +89,7 @@ def run(a) -> dict | None:
         trainer, source = build_trainer(a, protocol, tmp)
         items = P.protocol_items(protocol, source)[: a.limit or None]
         samples = P.plan(items, a.images or protocol.images_per_prompt, protocol.name)
-        sampler = dataclasses.replace(SamplerSettings.of(trainer.cfg), same_noise=False)
+        sampler = SamplerSettings.of(trainer.cfg).for_evaluation()
         steps = trainer.cfg.sampling.eval_num_steps or trainer.cfg.sampling.num_steps
         ema = trainer.ema.swapped_in() if (trainer.ema is not None and a.checkpoint != "base") else None
         guidance = trainer.adapter.guidance_scale_as(trainer.cfg.eval.guidance_scale)

@@ -24,7 +24,6 @@ breakdown, say): its mean and standard error leave those samples out, and
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -125,8 +124,7 @@ class EvalSettings:
         if isinstance(cfg, cls):
             return cfg
         steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
-        # one initial noise per evaluation seed, whatever the training rollouts share
-        sampler = dataclasses.replace(SamplerSettings.of(cfg), same_noise=False)
+        sampler = SamplerSettings.of(cfg).for_evaluation()
         return cls(
             cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].key, cfg.eval.guidance_scale
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from diffrl.sampling import rng
+from diffrl.sampling.dpm import DPM2
 from diffrl.sampling.schedule import sigma_grid
 from diffrl.sampling.sde import step
 from diffrl.sampling.settings import SamplerSettings
@@ -169,14 +170,15 @@ def denoise(
     init_noise: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     keep_noise: bool = False,
+    ode_solver: str = "euler",
 ) -> Trajectory:
     """Run one batch of independent paths to x_T.
 
     Noise is drawn from each path's key unless given: ``init_noise`` (B, *shape) and
     ``noise`` (B, T, *shape) replay stored draws (a tree path, a BF16 regeneration).
     ``noise_levels`` is one float for every step, or one per step. ``keep_noise`` stores
-    the draws in ``step_noise`` (for a replay; nothing in training reads them).
-    """
+    the draws in ``step_noise`` (for a replay). ``ode_solver: dpm2`` takes the
+    deterministic steps by DPM-Solver++(2M) (:mod:`diffrl.sampling.dpm`), else Euler."""
     device = adapter.device
     shape = adapter.latent_shape()
     b, n = len(keys), len(kinds)
@@ -189,21 +191,19 @@ def denoise(
     sigma_1 = float(sigmas[1]) if len(sigmas) > 1 else None
     latents, means, noises = [x], [], []
     log_probs, stds, std_ts = (torch.zeros(b, n, device=device) for _ in range(3))
+    dpm = DPM2(n) if ode_solver == "dpm2" else None
     for t, kind in enumerate(kinds):
         v = adapter.velocity(transformer, x, sigmas[t].expand(b).to(device), cond)
         if kind == "ode":
             eps = torch.zeros_like(x)
         else:
             eps = rng.to_device(step_noise(shape, keys, t) if noise is None else noise[:, t].float(), device)
-        res = step(
-            kind, x, v, sigmas[t], sigmas[t + 1], levels[t], sigma_1=sigma_1, noise=eps, reduction=reduction
-        )
-        x = res.next_latents
+        x, mean, res = _advance(kind, x, v, sigmas, t, levels[t], sigma_1, eps, reduction, dpm)
+        if res is not None:
+            log_probs[:, t], stds[:, t], std_ts[:, t] = res.log_prob, res.std, res.std_t
         latents.append(x)
-        means.append(res.mean)
-        if keep_noise:
-            noises.append(eps)
-        log_probs[:, t], stds[:, t], std_ts[:, t] = res.log_prob, res.std, res.std_t
+        means.append(mean)
+        noises += [eps] if keep_noise else []
     return Trajectory(
         latents=torch.stack(latents, 1),
         means=torch.stack(means, 1),
@@ -217,6 +217,16 @@ def denoise(
         nfe=b * n,
         noise_levels=levels,
     )
+
+
+def _advance(kind, x, v, sigmas, t: int, level: float, sigma_1, eps, reduction, dpm):
+    """One step of :func:`denoise`: (next latents, mean, the step's result or None). A
+    deterministic step of the DPM-Solver++(2M) solver has no log-prob and std 0."""
+    if dpm is not None and kind == "ode":
+        x = dpm.step(t, x.float(), v.float(), float(sigmas[t]), float(sigmas[t + 1]))
+        return x, x, None
+    res = step(kind, x, v, sigmas[t], sigmas[t + 1], level, sigma_1=sigma_1, noise=eps, reduction=reduction)
+    return res.next_latents, res.mean, res
 
 
 def rollout_independent(
@@ -253,7 +263,16 @@ def rollout_independent(
         chunk_keys = [keys[i] for i in idx]
         args = (cond.select(idx), chunk_keys, sigmas, kinds, s.sampling.noise_level)
         init = initial_noise(adapter.latent_shape(), chunk_keys, True) if s.same_noise else None
-        part = _decoded_chunk(adapter, transformer, args, s.logprob_reduction, keep_noise, keep_steps, init)
+        part = _decoded_chunk(
+            adapter,
+            transformer,
+            args,
+            s.logprob_reduction,
+            keep_noise,
+            keep_steps,
+            init,
+            s.sampling.ode_solver,
+        )
         if on_images is not None:
             on_images(idx, part.images)
         if keep_steps:
@@ -263,10 +282,14 @@ def rollout_independent(
     return Trajectory.cat(parts, consume=True) if keep_steps else pool
 
 
-def _decoded_chunk(adapter, transformer, args, reduction, keep_noise: bool, keep_steps: bool, init=None):
+def _decoded_chunk(
+    adapter, transformer, args, reduction, keep_noise: bool, keep_steps: bool, init=None, ode_solver="euler"
+):
     """One chunk denoised and decoded; without ``keep_steps`` only its keys, NFE and
     images leave this function (the chunk's trajectory is freed on return)."""
-    traj = denoise(adapter, transformer, *args, reduction, init_noise=init, keep_noise=keep_noise)
+    traj = denoise(
+        adapter, transformer, *args, reduction, init_noise=init, keep_noise=keep_noise, ode_solver=ode_solver
+    )
     with torch.no_grad():
         traj.images = adapter.decode(traj.latents[:, -1]).float()
     return traj if keep_steps else ExploredPool(traj.keys, traj.nfe, traj.images)

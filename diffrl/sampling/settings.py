@@ -10,6 +10,7 @@ samplers never read the objective, the optimizer or the rewards. Samplers accept
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -21,6 +22,13 @@ class SamplerSettings:
     logprob_reduction: str  # how step log-probs are reduced (objective.logprob_reduction)
     seed: int = 0  # the run's seed (a randomly placed SDE window is drawn from it and the iteration)
     same_noise: bool = False  # rollout.same_noise: a group's samples share their initial noise
+
+    def for_evaluation(self) -> SamplerSettings:
+        """What evaluations sample with: one initial noise per seed (never shared in a
+        group) and Euler steps (DiffusionNFT evaluates with its "flow" solver, Euler,
+        whatever its rollouts use)."""
+        sampling = dataclasses.replace(self.sampling, ode_solver="euler")
+        return dataclasses.replace(self, same_noise=False, sampling=sampling)
 
     @classmethod
     def of(cls, cfg) -> SamplerSettings:

@@ -54,6 +54,7 @@ class PassSettings:
     anchor_fraction: float  # objective.anchor_fraction
     loss_weighting: str  # tree.loss_weighting: "edge" or "depth"
     timestep_selection: str = "random"  # objective.timestep_selection: "random" or "first"
+    edges_per_step: int = 0  # tree.edges_per_step: 0, the leaves decide the optimizer steps
 
     @classmethod
     def of(cls, cfg) -> PassSettings:
@@ -69,6 +70,7 @@ class PassSettings:
             o.anchor_fraction,
             cfg.tree.loss_weighting,
             o.timestep_selection,
+            cfg.tree.edges_per_step,
         )
 
 
@@ -238,10 +240,10 @@ def edge_major(
     every live edge of an optimizer step weighs the same, as on one process. With local
     denominators, an edge of a smaller sub-tree would weigh more."""
     s = PassSettings.of(cfg)
-    n_groups = optimizer_steps_per_epoch(num_leaves, s)
     keep = torch.ones_like(train) if keep is None else keep.bool()
-    per_group: list[list[tuple[int, torch.Tensor, int]]] = [[] for _ in range(n_groups)]
     counts = step_edge_counts(train, depth, s)
+    n_groups = _tree_optimizer_steps(num_leaves, counts, pad_to, s)
+    per_group: list[list[tuple[int, torch.Tensor, int]]] = [[] for _ in range(n_groups)]
     for t in sorted(set(counts) | set(pad_to or {})):
         # keyed by (seed, iteration, epoch, step): a resumed run shuffles the same way
         _spread_step(
@@ -259,6 +261,19 @@ def edge_major(
         means = iter(mean_over_processes([n for counts in live for n in counts]))
         live = [[next(means) for _ in counts] for counts in live]
     return [_group_passes(parts, keep, s, counts) for parts, counts in zip(groups, live, strict=True)]
+
+
+def _tree_optimizer_steps(num_leaves: int, counts: dict, pad_to: dict | None, s: PassSettings) -> int:
+    """Optimizer steps of a tree plan: as many as the leaves make (ceil(leaves /
+    (micro_batch x accumulation))), or with ``tree.edges_per_step`` N, one per N trained
+    edges, as BranchGRPO's loop steps after every ``gradient_accumulation_steps`` edges
+    (``fastvideo/train_branchgrpo_flux.py``). The edge count is the padded one, the same
+    on every process."""
+    if s.edges_per_step <= 0:
+        return optimizer_steps_per_epoch(num_leaves, s)
+    pad_to = pad_to or {}
+    edges = sum(max(counts.get(t, 0), pad_to.get(t, 0)) for t in set(counts) | set(pad_to))
+    return max(1, math.ceil(edges / s.edges_per_step))
 
 
 def _spread_step(

@@ -168,6 +168,8 @@ def derive(cfg, num_processes: int = 1) -> dict[str, float]:
     cfg_mult = 2 if _uses_cfg(cfg) else 1
     ref_mult = 2 if cfg.objective.kl_coef > 0 else 1  # the KL term runs the reference too
     n = _rollout_and_training(cfg, num_processes)
+    if cfg.rollout.strategy == "tree" and cfg.tree.edges_per_step > 0:  # BranchGRPO: a step per N edges
+        opt_steps = epochs * max(1, math.ceil(n["trained_rows"] / num_processes / cfg.tree.edges_per_step))
     subtree = cfg.solrl.enabled and cfg.rollout.strategy == "tree" and not _trains_clean_samples(cfg)
     return {
         "processes": num_processes,

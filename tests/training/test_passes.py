@@ -10,6 +10,7 @@ import torch
 from diffrl.config import load_config
 from diffrl.sampling import TreeSpec
 from diffrl.training.passes import edge_major, optimizer_steps_per_epoch, sample_major, step_edge_counts
+from diffrl.training.plan import derive
 
 
 def _cfg(*overrides):
@@ -219,3 +220,20 @@ def test_first_timesteps_are_refused_for_trees():
 
     with pytest.raises(ConfigError, match="first is for independent rollouts"):
         _cfg("objective.timestep_selection=first")
+
+
+def test_edges_per_step_steps_the_optimizer_as_branchgrpo_does():
+    """BranchGRPO steps after every N trained edges: 392 edges (32 at step 0, 40 at each
+    of the 9 others) at N = 12 make ceil(392 / 12) = 33 optimizer steps of about 12 edges
+    each, every edge once, where the leaves alone make 8."""
+    mask, depth = _mask(0)
+    base = ("train.micro_batch_size=4", "train.gradient_accumulation=8")
+    assert len(edge_major(mask, depth, 256, _cfg(*base), 0, 0)) == 8
+    groups = edge_major(mask, depth, 256, _cfg(*base, "tree.edges_per_step=12"), 0, 0)
+    sizes = [sum(len(p.rows) for p in g) for g in groups]
+    assert len(groups) == 33 and sum(sizes) == 392 and max(sizes) - min(sizes) <= 10
+    assert sorted(r for g in groups for p in g for r in p.rows) == torch.nonzero(mask).flatten().tolist()
+    for g in groups:
+        assert sum(Fraction(*p.share) for p in g) == 1
+    plan = derive(_cfg(*base, "tree.edges_per_step=12"))
+    assert plan["optimizer_steps_per_iteration"] > derive(_cfg(*base))["optimizer_steps_per_iteration"]
