@@ -78,12 +78,12 @@ def log_evaluation_media(accelerator, step: int, media: dict | None, prefix: str
     and their table, to W&B (the main process; nothing without a W&B tracker)."""
     if not media or not accelerator.is_main_process:
         return
-    try:
-        tracker = accelerator.get_tracker("wandb", unwrap=True)
-    except ValueError:
+    # by name among the running trackers: accelerate's get_tracker hands back a blank
+    # stand-in when none runs at all (logging.trackers: []), and wandb may not be installed
+    running = [t for t in accelerator.trackers if t.name == "wandb"]
+    if not running:
         return
-    if not hasattr(tracker, "log"):
-        return  # accelerate's stand-in when the tracker is not running
+    tracker = running[0].tracker
     import wandb
 
     images = [

@@ -102,3 +102,16 @@ def test_asking_for_wandb_without_it_is_one_error_at_start(monkeypatch, tmp_path
     )
     with pytest.raises(ConfigError, match=r"'wandb', which is not installed: pip install 'diffrl\[wandb\]'"):
         Trainer(quick_config("tiny_toy_flowgrpo", tmp_path, "logging.trackers=[wandb]"))
+
+
+def test_evaluation_media_need_no_wandb_when_no_tracker_runs(monkeypatch, tmp_path):
+    """With no tracker at all (logging.trackers: []) accelerate answers get_tracker with a
+    blank stand-in; the media go nowhere and wandb, absent here, is never imported."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises
+    cfg = quick_config(
+        "tiny_toy_flowgrpo", tmp_path, "logging.trackers=[]", "eval.every=1", "eval.num_prompts=2"
+    )
+    out = Trainer(cfg).evaluate()
+    assert out["eval/n"] == 4 and (cfg.run_dir / "samples" / "step-0.png").is_file()
