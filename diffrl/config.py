@@ -245,6 +245,34 @@ class SolRLConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    rollout: Literal["bf16", "fp8"] = _f(
+        "bf16",
+        "Precision of the policy's rollouts. fp8 runs its linear layers through an FP8 quantizer while "
+        "sampling (in place, no copy); with train bf16 that is the naive split (FP8 samples, a BF16 update).",
+    )
+    train: Literal["bf16", "fp8"] = _f(
+        "bf16",
+        "Precision of the update's forwards. fp8 with rollout fp8 is Jet-RL's unified flow: the same "
+        "quantizer samples and trains (straight-through gradients, fp32 master weights), so replays are "
+        "on-policy. Needs rollout fp8; not combined with solrl.",
+    )
+    backend: Literal["auto", "reference", "torchao"] = _f(
+        "auto",
+        "reference: pure-PyTorch casts (any device, no speed-up); torchao: its float8 training GEMM (real "
+        "FP8 on Ada / Hopper); auto picks torchao where FP8 GEMMs run and it is installed.",
+    )
+    scaling: Literal["rowwise", "tensorwise"] = _f(
+        "rowwise",
+        "torchao's recipe: rowwise (a scale per token and per weight row, batch-independent, exact replay) "
+        "or tensorwise (a scale per tensor: faster, but a sample's numerics depend on its batch).",
+    )
+    keep_high: list[str] | None = _f(
+        None, "Anchored regexes of layers kept in high precision; null uses the family list (as solrl's)."
+    )
+
+
+@dataclass
 class DataConfig:
     train_prompts: str = _f(
         "assets/prompts/tiny_train.txt",
@@ -469,6 +497,9 @@ class Config:
     rollout: RolloutConfig = _f(RolloutConfig(), "Rollout batch arithmetic.")
     tree: TreeConfig = _f(TreeConfig(), "Tree sampler (rollout.strategy: tree).")
     solrl: SolRLConfig = _f(SolRLConfig(), "Low-precision exploration pool, selection and BF16 regeneration.")
+    precision: PrecisionConfig = _f(
+        PrecisionConfig(), "FP8 rollouts and training forward from one quantizer (Jet-RL's unified flow)."
+    )
     perf: PerfConfig = _f(PerfConfig(), "Speed switches measured by scripts/bench_rollout.py.")
     data: DataConfig = _f(DataConfig(), "Prompt files.")
     rewards: list[RewardSpec] = _f([RewardSpec()], "Rewards combined by weight.")

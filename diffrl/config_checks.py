@@ -16,6 +16,7 @@ def check(cfg) -> None:
     _check_sampling(cfg)
     if cfg.solrl.enabled:
         _check_solrl(cfg)
+    _check_precision(cfg)
     obj = cfg.objective
     if (
         obj.nft_beta <= 0
@@ -301,6 +302,26 @@ def _check_solrl(cfg) -> None:
             "solrl with a tree pool: the selection already keeps best and worst leaves; set "
             "tree.width_pruning none"
         )
+
+
+def _check_precision(cfg) -> None:
+    """The FP8 precision flow: FP8 training needs FP8 rollouts (the unified flow), and it
+    is Sol-RL's alternative, not an addition to it."""
+    p = cfg.precision
+    if p.train == "fp8" and p.rollout != "fp8":
+        raise ConfigError(
+            "precision.train fp8 needs precision.rollout fp8: the unified flow samples and trains "
+            "through one quantizer (BF16 rollouts scored by an FP8 update would be off-policy again)"
+        )
+    quantized = "fp8" in (p.rollout, p.train)
+    if quantized and cfg.solrl.enabled:
+        raise ConfigError(
+            "precision.rollout/train fp8 and solrl are the two answers to low-precision RL: Sol-RL explores "
+            "with a quantized copy and trains on BF16 regenerations, the precision flow samples and trains "
+            "the policy itself in FP8. Set solrl.enabled false, or precision.rollout and train bf16"
+        )
+    if quantized and cfg.model.lora.dropout > 0 and not cfg.model.full_finetune:
+        raise ConfigError("precision fp8 merges LoRA into each weight: set model.lora.dropout 0")
 
 
 def _check_objective(cfg) -> None:

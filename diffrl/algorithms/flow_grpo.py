@@ -94,6 +94,9 @@ def flow_grpo_loss(
     stats = {
         "policy_loss": policy_loss.detach(),
         "approx_kl": masked_mean(0.5 * log_ratio.detach() ** 2, w),
+        # |log pi_new - log pi_sampled|; before the iteration's first step, the replay gap
+        # between the sampling forward and the training forward (Updater: replay/...)
+        "log_ratio_abs": masked_mean(log_ratio.detach().abs(), w),
         "clipfrac": masked_mean(((ratio.detach() - 1.0).abs() > ocfg.clip_range).float(), w),
         "ratio": masked_mean(ratio.detach(), w),
     }

@@ -251,6 +251,53 @@ def training_step(
     }
 
 
+def training_step_precision(
+    adapter,
+    batch: int,
+    repeats: int,
+    autocast: torch.dtype | None = None,
+    guidance: bool = True,
+    backend: str = "auto",
+    scaling: str = "rowwise",
+    compile: bool = False,
+) -> dict:
+    """The training step (:func:`~diffrl.perf.flops.train_step_fn`) in the model's precision
+    and through Jet-RL's unified FP8 flow (:mod:`diffrl.quant.fp8_flow`), on the same model,
+    raced side by side: both eager, or both with the blocks compiled in place (one graph
+    per block and phase). First calls, compilation included, are timed outside the race.
+    The transformer stays patched afterwards (outside a phase its layers run as before)."""
+    from diffrl.perf.regional import RegionalCompile
+    from diffrl.quant.fp8_flow import Fp8Flow, choose_flow_backend
+
+    backend = choose_flow_backend(backend)
+    flow = Fp8Flow(adapter.transformer, True, True, scaling, backend, adapter.keep_high)
+    if compile:
+        RegionalCompile(adapter.transformer, log=None)
+    step = F.train_step_fn(adapter, batch, guidance, autocast)
+
+    def fp8_step():
+        with flow.phase("train"):
+            step()
+
+    fns = {"bf16": step, "fp8": fp8_step}
+    first = {name: timed(fn, adapter.device)[0] for name, fn in fns.items()}
+    res = race(fns, adapter.device, repeats)
+    return {
+        "batch": batch,
+        "backend": backend,
+        "scaling": scaling,
+        "compiled": "by block" if compile else False,
+        "quantized_layers": len(flow.quantized),
+        "bf16_s": res["bf16"]["seconds"],
+        "fp8_s": res["fp8"]["seconds"],
+        "speed_vs_bf16": res["bf16"]["seconds"] / res["fp8"]["seconds"],
+        "bf16_peak_gib": res["bf16"]["peak_gib"],
+        "fp8_peak_gib": res["fp8"]["peak_gib"],
+        "first_call_s": first,
+        "autocast": str(autocast).removeprefix("torch.") if autocast else "no",
+    }
+
+
 # -- optimisations ------------------------------------------------------------------------
 def rollout_optimisations(adapter, batch: int, repeats: int, variants: list[str]) -> list[dict]:
     """The rollout transformer's forward with and without each optimisation, side by side:

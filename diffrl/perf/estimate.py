@@ -35,6 +35,8 @@ process (they run outside the sharded module), and so do activations.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from diffrl.config import with_overrides
@@ -63,9 +65,52 @@ EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0, "auto": 1.0}
 # torchao's NVFP4 on Blackwell: half a byte per weight and an E4M3 scale per 16
 NVFP4_PACKED_BYTES = 0.5 + 1 / 16
 POOL = "exploration pool"
-# parts not alive when the optimizer steps: activations (freed by the backward pass) and
-# the Sol-RL pool (freed once scored, before the regeneration)
-TRANSIENT_PARTS = ("activations", POOL)
+FP8_TRAINING = "FP8 training: weights kept for backward"
+# bytes per quantized weight the unified FP8 flow's training forward keeps for its backward,
+# by (backend, LoRA): torchao's GEMM keeps its high-precision weight operand, for LoRA the
+# merged W + BA (a new bf16 tensor per layer), for a full fine-tune the master weight itself
+# (nothing new); the reference keeps FP8 codes (one byte) in both cases
+FP8_TRAINING_BYTES = {
+    ("torchao", True): 2.0,
+    ("torchao", False): 0.0,
+    ("reference", True): 1.0,
+    ("reference", False): 1.0,
+}
+# parts not alive when the optimizer steps: activations and the FP8 flow's kept weights
+# (freed by the backward pass) and the Sol-RL pool (freed once scored, before the regeneration)
+TRANSIENT_PARTS = ("activations", POOL, FP8_TRAINING)
+
+
+_BLOCK_PREFIX = re.compile(r"^(.*?blocks)\.\d+\.")
+
+
+def fp8_training_bytes(cfg, transformer: torch.nn.Module, lora: bool) -> float:
+    """What the unified FP8 flow (``precision.train: fp8``) keeps for the backward beyond
+    BF16 training: :data:`FP8_TRAINING_BYTES` per weight of every layer it quantizes, whole
+    on every process (FSDP shards parameters, not the merged weights a forward makes).
+    ``backend: auto`` is counted as torchao (what it is on Hopper). The activations its
+    GEMMs keep in FP8 instead of BF16 are not subtracted: an upper bound."""
+    p = cfg.precision
+    if p.train != "fp8":
+        return 0.0
+    from diffrl.quant.fp8_flow import flow_layer_names
+    from diffrl.quant.keep_high import default_keep_high, split_keep_high
+
+    keep = p.keep_high if p.keep_high is not None else default_keep_high(cfg.model.family)
+    quantized, _ = split_keep_high(flow_layer_names(transformer), keep)
+    backend = "reference" if p.backend == "reference" else "torchao"
+    by_block: dict[str, int] = {}  # weights per transformer block ("" : outside the blocks)
+    for name in quantized:
+        layer = transformer.get_submodule(name)
+        block = _BLOCK_PREFIX.match(name)
+        key = block.group(0) if block else ""
+        by_block[key] = by_block.get(key, 0) + getattr(layer, "base_layer", layer).weight.numel()
+    outside = by_block.pop("", 0)
+    # gradient checkpointing recomputes a block's forward in its backward: only the block
+    # being recomputed keeps its weights, not all of them
+    inside = max(by_block.values(), default=0) if cfg.model.gradient_checkpointing else sum(by_block.values())
+    weights = outside + inside
+    return weights * FP8_TRAINING_BYTES[(backend, lora)]
 
 
 def reward_params(spec) -> float:
@@ -153,6 +198,7 @@ def _memory_parts(
         "exploration copy": (
             total * exploration_bytes[cfg.solrl.precision] + buffers if cfg.solrl.enabled else 0.0
         ),
+        FP8_TRAINING: fp8_training_bytes(cfg, transformer, policy.is_lora),
     }
     if sharding == "fsdp":
         unit, unit_trainable = _largest_block_bytes(transformer)

@@ -114,3 +114,37 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0, pad))
     return x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+
+
+# -- FP8 training casts (the unified precision flow, diffrl/quant/fp8_flow.py) -----------
+# float8 dtype and its largest finite value; E5M2 is the gradients' format in torchao's
+# tensor-wise recipe (more range, one mantissa bit less)
+FP8_DTYPES = {"e4m3": (torch.float8_e4m3fn, E4M3_MAX), "e5m2": (torch.float8_e5m2, 57344.0)}
+# torchao's floor on amax before the scale is taken (float8_utils.EPS)
+FP8_AMAX_EPS = 1e-12
+
+
+def fp8_codes(x: torch.Tensor, rowwise: bool, fmt: str = "e4m3", pow2: bool = False):
+    """(float8 codes, fp32 scale) of ``x`` as torchao's float8 training casts it
+    (``hp_tensor_to_float8_dynamic``): scale = max / amax in fp32 (amax floored at 1e-12),
+    one per row over the last dim (``rowwise``, torchao's axiswise) or one per tensor;
+    with ``pow2`` rounded down to a power of two (torchao's rowwise recipe,
+    ``round_scales_to_power_of_2``); x * scale saturates at +-max and is cast. The value
+    is ``codes.float() / scale``.
+
+    Reference: torchao 0.18 ``float8/float8_utils.py`` (``amax_to_scale``,
+    ``to_fp8_saturated``); tests compare a linear through it with torchao's own
+    ``matmul_with_hp_or_float8_args`` on the CPU."""
+    dtype, fmax = FP8_DTYPES[fmt]
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()
+    scale = (fmax / amax.double().clamp(min=FP8_AMAX_EPS)).float()
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (x * scale).clamp(-fmax, fmax).to(dtype), scale
+
+
+def fake_fp8_cast(x: torch.Tensor, rowwise: bool, fmt: str = "e4m3", pow2: bool = False) -> torch.Tensor:
+    """FP8 quantize-dequantize as :func:`fp8_codes` casts it, as fp32."""
+    codes, scale = fp8_codes(x, rowwise, fmt, pow2)
+    return codes.float() / scale

@@ -24,6 +24,7 @@ from diffrl.evaluation.scoring import EvalSettings, evaluate, spaced_subset
 from diffrl.evaluation.summary import before_after
 from diffrl.models import build_adapter
 from diffrl.perf.runtime import apply_attention_backend, compiled
+from diffrl.quant.fp8_flow import build_precision_flow
 from diffrl.sampling import SamplerSettings, get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
@@ -96,6 +97,15 @@ class Trainer:
             self.reward_fn.to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not fsdp)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
+        # FP8 rollouts / training (Jet-RL's flow) patch the policy's layers in place: before
+        # compilation, so that the compiled blocks trace the patched forwards
+        self.precision = build_precision_flow(
+            cfg.precision,
+            cfg.model.family,
+            self.adapter.transformer,
+            self.acc.print,
+            self.policy.frozen_reference,
+        )
         # by block (the default scope), in place: before the Sol-RL copy is made, which a
         # deep copy leaves uncompiled (diffrl.perf.regional)
         self.rollout_model = compiled(self.adapter.transformer, cfg.perf, log=self.acc.print)
@@ -218,12 +228,16 @@ class Trainer:
         weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
         overlap, pending = overlap_hook(self.reward_fn, self.strategy, local.prompts)  # remote rewards
         args = (self.adapter, self.rollout_model, cond, local.keys, self.sampler_settings)
-        with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights:
+        with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights, self.phase("rollout"):
             traj = self.strategy(*args, iteration=step, **overlap)
         reshard(self.model)  # FSDP: the update must gather the live weights, not the rollout's
         with clock.stage("reward"):
             total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys}, pending)
         return Rollout(traj, cond, local.group_ids, total, comps, logs, clock.metrics, traj.nfe)
+
+    def phase(self, name: str):
+        """``rollout`` or ``train``: the FP8 quantizer on where ``precision`` asks for it."""
+        return contextlib.nullcontext() if self.precision is None else self.precision.phase(name)
 
     def samples_with_old_policy(self) -> bool:
         return self.old_policy is not None and self.cfg.objective.nft_sample_with == "old"
@@ -348,7 +362,9 @@ class Trainer:
             clock = StageClock(self.acc.device)
             with clock.stage("update"):
                 # every process runs the same passes, so the same statistics' keys
-                metrics.update(self.across_processes(self.updater.run(r.traj, r.cond, credit, step)))
+                with self.phase("train"):
+                    update_metrics = self.updater.run(r.traj, r.cond, credit, step)
+                metrics.update(self.across_processes(update_metrics))
             metrics.update(self.across_processes(clock.metrics))
         if self.old_policy is not None:
             # DiffusionNFT's schedule is a function of the optimizer steps completed so far

@@ -134,6 +134,7 @@ class Updater:
         self.forward_process = objective.forward_process
         self.whole_groups = objective.whole_groups  # passes of whole groups, one noise per group
         self.fsdp = getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
+        self._steps_at_start = 0  # optimizer steps applied before this run() (replay gap)
         self.after_step: list = []  # called after every applied optimizer step (Sol-RL marks its copy stale)
 
     def loss_context(self) -> LossContext:
@@ -185,6 +186,7 @@ class Updater:
             plan = self._tree_plan(traj, train, keep, step)
 
         totals: dict[str, list] = defaultdict(list)
+        self._steps_at_start = self.counters.optimizer_steps
         for epoch in range(s.num_inner_epochs):
             for passes in plan(epoch):
                 self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
@@ -296,6 +298,7 @@ class Updater:
                 self.acc.backward(loss * num / den if num != 1 else loss / den)
             for k, v in stats.items():
                 totals[k].append(v.detach() if torch.is_tensor(v) else float(v))
+            self._record_replay_gap(totals, stats, p)
         grad_norm = None
         max_norm = self.settings.max_grad_norm
         if max_norm > 0:
@@ -324,6 +327,17 @@ class Updater:
             hook()
         if grad_norm is not None:
             totals["grad_norm"].append(grad_norm)
+
+    def _record_replay_gap(self, totals, stats, p: Pass) -> None:
+        """|log-prob of the training forward - log-prob stored at sampling|, per denoising
+        step, while the weights are still those that sampled (no step applied yet this
+        iteration): 0 to float tolerance for an on-policy run, the rollout/training
+        mismatch otherwise (FP8 rollouts under a BF16 update: docs/ALGORITHMS.md)."""
+        if "log_ratio_abs" not in stats or self.counters.optimizer_steps != self._steps_at_start:
+            return
+        gap = stats["log_ratio_abs"].detach()
+        totals["replay/logprob_gap"].append(gap)
+        totals[f"replay/logprob_gap/step{p.t:02d}"].append(gap)
 
     def _skip_step(self, overflow_only: bool) -> None:
         """Discard this step's gradient. Under fp16 a gradient scaler is at work (accelerate

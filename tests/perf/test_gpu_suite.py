@@ -209,3 +209,22 @@ def test_the_race_runs_all_of_flux_where_its_copies_fit():
     h200_free, a100_free = 141e9 - 24e9, 40e9  # beside the 24 GB BF16 policy
     assert suite.race_fits_full_depth(flux, h200_free) and not suite.race_fits_full_depth(flux, a100_free)
     assert suite.block_counts(flux) == {"transformer_blocks": 19, "single_transformer_blocks": 38}
+
+
+def test_the_training_step_race_includes_the_unified_fp8_step_on_the_cpu_twin():
+    """With ``train``, the precision worker also races the unified FP8 training step
+    against the BF16 one on the same model (the row the next GPU window fills in)."""
+    cfg = load_config(*suite.precision_config(cpu=True))
+    emitted = []
+    result = suite.measure_precision(
+        cfg, torch.device("cpu"), ["bf16"], 2, 2, False, lambda k, v: emitted.append(k), train=True
+    )
+    assert emitted == ["precision", "train", "train_fp8"]
+    t = result["train_fp8"]
+    assert t["backend"] == "reference" and t["quantized_layers"] > 0
+    assert t["speed_vs_bf16"] == pytest.approx(t["bf16_s"] / t["fp8_s"])
+    rows = suite.train_precision_rows(t, cpu=True)
+    assert rows[0]["measure"].startswith("unified FP8 training step / bf16 (reference, rowwise, eager")
+    assert rows[0]["target"] == "-" and rows[0]["ok"] is None  # no FP8 GEMMs on a CPU: no target
+    gpu = suite.train_precision_rows({**t, "backend": "torchao", "speed_vs_bf16": 1.2}, cpu=False)
+    assert gpu[0]["target"] == "> 1x" and gpu[0]["ok"] is True
