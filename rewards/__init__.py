@@ -36,6 +36,7 @@ _FACTORIES: dict[str, str] = {
     "geneval": "rewards.geneval:GenEval",
     "video_frames": "rewards.video:FrameReward",
     "temporal_consistency": "rewards.video:TemporalConsistency",
+    "videoalign": "rewards.videoalign:VideoAlignReward",
 }
 
 

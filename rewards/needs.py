@@ -118,6 +118,19 @@ def _vlm(args: dict) -> list[dict]:
     return _clip_model("vlm_judge", args, "Qwen/Qwen2.5-VL-7B-Instruct")
 
 
+def _videoalign(args: dict) -> list[dict]:
+    from rewards.videoalign import TEMPLATE_URL
+
+    spec = str(args.get("checkpoint") or "KwaiVGI/VideoReward")
+    needs = [_hub_or_path("videoalign checkpoint", spec, "model_config.json")]
+    if args.get("base"):  # else the checkpoint's model_config.json names it (Qwen/Qwen2-VL-2B-Instruct)
+        needs.append(_hub_or_path("videoalign base processor", str(args["base"]), "preprocessor_config.json"))
+    template = str(args.get("template") or TEMPLATE_URL)
+    if not template.startswith(("http://", "https://")):
+        needs.append({"what": "videoalign prompt template", "path": os.path.expanduser(template)})
+    return needs
+
+
 def _servers(args: dict) -> list[dict]:
     urls = list(args.get("urls") or []) or [args.get("url")]
     return [{"what": "reward server", "url": str(u)} for u in urls if u]
@@ -139,6 +152,7 @@ def reward_needs(name: str, args: dict) -> list[dict]:
         "geneval": lambda: _geneval(args),
         "ocr": lambda: _ocr(args),
         "vlm_judge": lambda: _vlm(args),
+        "videoalign": lambda: _videoalign(args),
         "remote": lambda: _servers(args),
         "reward_server": lambda: _servers(args),
     }

@@ -2,7 +2,9 @@
 
 * ``video_frames``: any registered image reward applied to ``num_frames`` frames sampled
   uniformly over the clip (first and last included), aggregated by ``mean`` or ``min``
-  (min asks every sampled frame to be good, the stricter target).
+  (min asks every sampled frame to be good, the stricter target); ``frames: first`` scores
+  the first frame only (PickScore on the first frame beside VideoAlign, as DanceGRPO's
+  author suggests against VideoAlign's drift to over-exposure, DanceGRPO issue 41).
 * ``temporal_consistency``: the mean cosine similarity of adjacent sampled frames' CLIP
   image embeddings (1 for a still clip; flicker and identity drift lower it).
 * :class:`VideoVLMReward`: the extension point for VLM-based video reward models (e.g.
@@ -18,6 +20,7 @@ import rewards
 from rewards.images import RewardInputError, to_tensor_batch
 
 AGGREGATES = ("mean", "min")
+FRAME_CHOICES = ("uniform", "first")
 
 
 def as_video(images, reward: str) -> torch.Tensor:
@@ -50,12 +53,16 @@ class FrameReward:
         args: dict | None = None,
         num_frames: int = 4,
         aggregate: str = "mean",
+        frames: str = "uniform",
     ):
+        if frames not in FRAME_CHOICES:
+            raise ValueError(f"{self.name}: frames must be one of {FRAME_CHOICES}, got '{frames}'")
         if aggregate not in AGGREGATES:
             raise ValueError(f"{self.name}: aggregate must be one of {AGGREGATES}, got '{aggregate}'")
         if int(num_frames) < 1:
             raise ValueError(f"{self.name}: num_frames must be >= 1, got {num_frames}")
         self.inner_name, self.num_frames, self.aggregate = reward, int(num_frames), aggregate
+        self.frames = frames
         self.inner = rewards.build(reward, **(args or {}))
 
     def to(self, *args, **kwargs):
@@ -66,7 +73,7 @@ class FrameReward:
     def __call__(self, images, prompts=None, metadata=None) -> dict[str, torch.Tensor]:
         video = as_video(images, self.name)
         b = video.shape[0]
-        idx = uniform_frames(video.shape[1], self.num_frames)
+        idx = [0] if self.frames == "first" else uniform_frames(video.shape[1], self.num_frames)
         frames = video[:, idx].flatten(0, 1)  # (B * n, 3, H, W), clip-major
         texts = None if prompts is None else [p for p in prompts for _ in idx]
         per_frame = self.inner(frames, texts, metadata or {})[self.inner_name].reshape(b, len(idx))

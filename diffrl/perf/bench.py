@@ -271,8 +271,7 @@ def training_step_precision(
 
     backend = choose_flow_backend(backend)
     flow = Fp8Flow(adapter.transformer, True, True, scaling, backend, adapter.keep_high)
-    if compile:
-        RegionalCompile(adapter.transformer, log=None)
+    regional = RegionalCompile(adapter.transformer, log=None) if compile else None
     step = F.train_step_fn(adapter, batch, guidance, autocast)
 
     def fp8_step():
@@ -286,7 +285,8 @@ def training_step_precision(
         "batch": batch,
         "backend": backend,
         "scaling": scaling,
-        "compiled": "by block" if compile else False,
+        "compiled": "by block" if compile and not regional.failed else False,
+        "compile_failed": regional.failed if compile else None,
         "quantized_layers": len(flow.quantized),
         "bf16_s": res["bf16"]["seconds"],
         "fp8_s": res["fp8"]["seconds"],

@@ -57,8 +57,9 @@ REWARD_ARCH = {
 IMAGEREWARD_PARAMS = 447e6
 # rewards whose models are not open_clip ones, by their published parameter counts: GenEval's
 # Mask2Former Swin-S (69M) and CLIP ViT-L/14 colour classifier (428M); OCR's TrOCR-base
-# (334M; the PaddleOCR engine runs in Paddle's own memory, a few tens of MB, not counted)
-OTHER_REWARD_PARAMS = {"geneval": 69e6 + 428e6, "ocr": 334e6}
+# (334M; the PaddleOCR engine runs in Paddle's own memory, a few tens of MB, not counted);
+# VideoAlign's Qwen2-VL-2B with its reward head (2.21B)
+OTHER_REWARD_PARAMS = {"geneval": 69e6 + 428e6, "ocr": 334e6, "videoalign": 2.21e9}
 # per transformer weight, on Hopper: auto is FP8 through torchao there (one byte), NVFP4
 # is simulated over BF16 weights (modelopt or the reference quantizer)
 EXPLORATION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0, "auto": 1.0}

@@ -443,6 +443,17 @@ def train_precision_rows(t: dict, cpu: bool) -> list[dict]:
             t["speed_vs_bf16"] > 1 if fast else None,
         ),
         row("train", "unified FP8 training step seconds", t["fp8_s"]),
+        *(
+            [
+                row(
+                    "train",
+                    "unified FP8 training step: compile failed, ran eagerly",
+                    t["compile_failed"][:200],
+                )
+            ]
+            if t.get("compile_failed")
+            else []
+        ),
         row(
             "train",
             "unified FP8 training step peak GiB (bf16 step's beside it)",

@@ -134,7 +134,7 @@ def test_pointwise_conv_quantized_along_channels():
 
 
 # -- the on-policy property on a tiny family -----------------------------------------------
-def _replay_gaps(cfg, rollout: bool, train: bool, scaling="rowwise", half_batch=False):
+def _replay_gaps(cfg, rollout: bool, train: bool, scaling="rowwise", half_batch=False, backend="reference"):
     """|log p(training forward) - log p(sampled)| per trainable step, weights unchanged."""
     adapter = build_adapter(cfg.model)
     policy = Policy(adapter, cfg.model)
@@ -143,7 +143,7 @@ def _replay_gaps(cfg, rollout: bool, train: bool, scaling="rowwise", half_batch=
         for name, p in policy.trainable_named_parameters():
             if "lora_B" in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    flow = Fp8Flow(adapter.transformer, rollout, train, scaling, "reference", adapter.keep_high)
+    flow = Fp8Flow(adapter.transformer, rollout, train, scaling, backend, adapter.keep_high)
     cond = adapter.encode_prompts(["a red circle", "a red circle", "two blue squares", "two blue squares"])
     keys = [(0, 0, i // 2, i % 2) for i in range(4)]
     with torch.no_grad(), flow.phase("rollout"):
@@ -175,20 +175,26 @@ def flux_cfg(tmp_path):
     return quick_config("tiny_flux_flowgrpo", tmp_path, "model.guidance_scale=1.0")
 
 
-def test_unified_replay_is_on_policy(flux_cfg):
+BACKENDS = ["reference"] + (["torchao"] if HAS_TORCHAO else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unified_replay_is_on_policy(flux_cfg, backend):
     """The update's forward goes through the rollout's quantizer: ratio 1 at every step,
     also when the replay batches differently (row-wise scales are per token). Were the
-    training forward to skip the quantizer, this would be the naive split's gap below."""
-    gaps, flow = _replay_gaps(flux_cfg, rollout=True, train=True, half_batch=True)
+    training forward to skip the quantizer, this would be the naive split's gap below.
+    torchao's float8 GEMM runs on the CPU too (emulated), so its path is checked here."""
+    gaps, flow = _replay_gaps(flux_cfg, rollout=True, train=True, half_batch=True, backend=backend)
     assert flow.unified and len(flow.quantized) > 10
     assert max(gaps) < 1e-6, gaps  # measured: 6e-8 at most (the half batch's GEMM rounding)
 
 
-def test_naive_split_replay_is_off_policy(flux_cfg):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_naive_split_replay_is_off_policy(flux_cfg, backend):
     """FP8 rollouts scored by the BF16 update: a gap at every step, orders above float
     noise (measured 3.5e-5 to 1.3e-4 per element: the order of flow-GRPO's clip range
     1e-4 in the toy configs)."""
-    gaps, _ = _replay_gaps(flux_cfg, rollout=True, train=False)
+    gaps, _ = _replay_gaps(flux_cfg, rollout=True, train=False, backend=backend)
     bf16, _ = _replay_gaps(flux_cfg, rollout=False, train=False)
     assert max(bf16) < 1e-6, bf16
     assert min(gaps) > 1e-5, gaps

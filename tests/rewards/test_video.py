@@ -114,3 +114,17 @@ def test_vlm_extension_point_registers_and_samples_frames():
         reward(_clip(f=9), ["a"], {})
     with pytest.raises(NotImplementedError, match="must implement score_videos"):
         VideoVLMReward()(_clip(), ["a", "b"], {})
+
+
+def test_first_frame_scores_frame_zero_only():
+    """``frames: first`` gives the inner reward's score of frame 0, whatever the others hold."""
+    inner = rewards.build("jpeg_compressibility")
+    video = torch.rand(2, 5, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    reward = rewards.build("video_frames", reward="jpeg_compressibility", frames="first")
+    expected = inner(video[:, 0], ["x", "y"], {})["jpeg_compressibility"]
+    torch.testing.assert_close(reward(video, ["x", "y"], {})["video_frames"], expected)
+    changed = video.clone()
+    changed[:, 1:] = 0.5  # every later frame replaced: the score stays
+    torch.testing.assert_close(reward(changed, ["x", "y"], {})["video_frames"], expected)
+    with pytest.raises(ValueError, match="frames must be one of"):
+        rewards.build("video_frames", frames="last")
