@@ -122,7 +122,10 @@ def _videoalign(args: dict) -> list[dict]:
     from rewards.videoalign import TEMPLATE_URL
 
     spec = str(args.get("checkpoint") or "KwaiVGI/VideoReward")
-    needs = [_hub_or_path("videoalign checkpoint", spec, "model_config.json")]
+    need = _hub_or_path("videoalign checkpoint", spec, "model_config.json")
+    if "repo" in need:  # the whole release is read (model_config.json, checkpoint-N/model.pth, tokenizer)
+        need["fix"] = f"hf download {spec}   (or --local-dir DIR, then rewards.N.args.checkpoint: DIR)"
+    needs = [need]
     if args.get("base"):  # else the checkpoint's model_config.json names it (Qwen/Qwen2-VL-2B-Instruct)
         needs.append(_hub_or_path("videoalign base processor", str(args["base"]), "preprocessor_config.json"))
     template = str(args.get("template") or TEMPLATE_URL)
