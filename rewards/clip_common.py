@@ -92,14 +92,17 @@ def hub_file(reward: str, repo_id: str, filename: str, arg: str = "checkpoint") 
         ) from err
 
 
-def url_file_path(url: str) -> str:
-    """Where :func:`url_file` keeps ``url``'s file: torch.hub's checkpoint cache."""
-    return os.path.join(torch.hub.get_dir(), "checkpoints", unquote(os.path.basename(urlparse(url).path)))
+def url_file_path(url: str, filename: str | None = None) -> str:
+    """Where :func:`url_file` keeps ``url``'s file: torch.hub's checkpoint cache, under
+    ``filename`` (default: the URL's own file name)."""
+    name = filename or unquote(os.path.basename(urlparse(url).path))
+    return os.path.join(torch.hub.get_dir(), "checkpoints", name)
 
 
-def url_file(reward: str, url: str) -> str:
-    """Download ``url`` once into torch.hub's checkpoint cache (for weights published outside the hub)."""
-    dst = url_file_path(url)
+def url_file(reward: str, url: str, filename: str | None = None) -> str:
+    """Download ``url`` once into torch.hub's checkpoint cache (for weights published outside
+    the hub); ``filename`` names the cached file where URLs share a file name."""
+    dst = url_file_path(url, filename)
     if os.path.isfile(dst):
         return dst
     try:

@@ -134,24 +134,19 @@ def template_text(source: str, kind: str = "detailed_special", sha256: str | Non
 
 
 def _read_source(source: str) -> bytes:
-    """A local file, or a URL downloaded once into torch.hub's directory (kept under a name
-    made from the whole URL: templates of different commits share a file name)."""
+    """A local file, or a URL downloaded once into torch.hub's cache under a name made from
+    the whole URL (templates of different commits share the file name prompt_template.py)."""
     if re.match(r"https?://", source):
-        cached = (
-            Path(torch.hub.get_dir())
-            / "videoalign"
-            / f"{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
-        )
-        if not cached.is_file():
-            try:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                torch.hub.download_url_to_file(source, str(cached), progress=False)
-            except OSError as err:
-                raise VideoAlignError(
-                    f"videoalign: could not fetch the prompt template {source} ({err}); offline, pass "
-                    "template: PATH to prompt_template.py of a VideoAlign clone (KwaiVGI/VideoAlign)"
-                ) from None
-        return cached.read_bytes()
+        from rewards.clip_common import MissingRewardWeightsError, url_file
+
+        name = f"videoalign-{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
+        try:
+            return Path(url_file("videoalign", source, name)).read_bytes()
+        except MissingRewardWeightsError as err:
+            raise VideoAlignError(
+                f"videoalign: could not fetch the prompt template {source} ({err.__cause__!r}); offline, "
+                "pass template: PATH to prompt_template.py of a VideoAlign clone (KwaiVGI/VideoAlign)"
+            ) from None
     path = Path(source).expanduser()
     if not path.is_file():
         raise VideoAlignError(

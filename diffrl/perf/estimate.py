@@ -94,11 +94,9 @@ def fp8_training_bytes(cfg, transformer: torch.nn.Module, lora: bool) -> float:
     p = cfg.precision
     if p.train != "fp8":
         return 0.0
-    from diffrl.quant.fp8_flow import flow_layer_names
-    from diffrl.quant.keep_high import default_keep_high, split_keep_high
+    from diffrl.quant.fp8_flow import flow_keep_high, quantized_layers
 
-    keep = p.keep_high if p.keep_high is not None else default_keep_high(cfg.model.family)
-    quantized, _ = split_keep_high(flow_layer_names(transformer), keep)
+    quantized, _ = quantized_layers(transformer, flow_keep_high(p, cfg.model.family))
     backend = "reference" if p.backend == "reference" else "torchao"
     by_block: dict[str, int] = {}  # weights per transformer block ("" : outside the blocks)
     for name in quantized:

@@ -66,14 +66,26 @@ def is_quantizable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_pointwise_conv(module)
 
 
-def merged_weight(module: nn.Module) -> torch.Tensor:
-    """The effective fp32 weight of a layer: base + every active LoRA delta."""
-    weight = _base(module).weight.detach().float()
+def with_lora_deltas(
+    module: nn.Module, dtype: torch.dtype | None = None, detach: bool = False
+) -> torch.Tensor:
+    """A layer's base weight plus every active LoRA delta, added in ``dtype`` (the weight's
+    own when None); ``detach`` drops the graph (a copy's sync), else gradients reach the
+    LoRA factors through it (the FP8 flow's training forward)."""
+    weight = _base(module).weight
+    weight = weight.detach() if detach else weight
+    weight = weight if dtype is None else weight.to(dtype)
     if _is_lora_layer(module) and not module.disable_adapters:
         for name in module.active_adapters:
             if name in module.lora_A:
-                weight = weight + module.get_delta_weight(name).detach().float()
+                delta = module.get_delta_weight(name)
+                weight = weight + (delta.detach() if detach else delta).to(weight.dtype)
     return weight
+
+
+def merged_weight(module: nn.Module) -> torch.Tensor:
+    """The effective fp32 weight of a layer: base + every active LoRA delta."""
+    return with_lora_deltas(module, torch.float32, detach=True)
 
 
 def _unwrapped_copy(transformer: nn.Module) -> nn.Module:

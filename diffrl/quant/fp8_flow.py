@@ -44,7 +44,7 @@ import contextlib
 import torch
 from torch import nn
 
-from diffrl.quant.exploration import _is_lora_layer, is_pointwise_conv, is_quantizable
+from diffrl.quant.exploration import _is_lora_layer, is_pointwise_conv, is_quantizable, with_lora_deltas
 from diffrl.quant.formats import fake_fp8_cast, fp8_codes
 from diffrl.quant.keep_high import split_keep_high
 
@@ -56,12 +56,7 @@ PHASES = ("rollout", "train")
 def effective_weight(module: nn.Module) -> torch.Tensor:
     """W + every active LoRA delta, **with** its graph (the update trains through it),
     as (out, in): a 1x1 conv's (out, in, 1, 1) weight is viewed as a linear's."""
-    base = module.base_layer if _is_lora_layer(module) else module
-    weight = base.weight
-    if _is_lora_layer(module) and not module.disable_adapters:
-        for name in module.active_adapters:
-            if name in module.lora_A:
-                weight = weight + module.get_delta_weight(name).to(weight.dtype)
+    weight = with_lora_deltas(module)
     return weight.reshape(weight.shape[0], -1)
 
 
@@ -72,17 +67,6 @@ def _cast_args(scaling: str, role: str) -> tuple[bool, str, bool]:
     rowwise = scaling == "rowwise"
     fmt = "e5m2" if role == "grad" and not rowwise else "e4m3"
     return rowwise, fmt, rowwise
-
-
-def _casts(scaling: str):
-    """(activation cast, weight cast, gradient cast) of a torchao recipe, as
-    quantize-dequantize functions (row-wise: a weight's rows are its output rows)."""
-
-    def cast(role):
-        args = _cast_args(scaling, role)
-        return lambda x: fake_fp8_cast(x, *args)
-
-    return cast("act"), cast("weight"), cast("grad")
 
 
 class _ReferenceFp8Matmul(torch.autograd.Function):
@@ -152,6 +136,20 @@ def flow_layer_names(root: nn.Module) -> list[str]:
     return names
 
 
+def quantized_layers(root: nn.Module, keep_high) -> tuple[list[str], list[str]]:
+    """(quantized, kept high): the flow's layers of ``root`` split by the keep-high regexes."""
+    return split_keep_high(flow_layer_names(root), keep_high)
+
+
+def flow_keep_high(precision_cfg, family: str) -> tuple[str, ...]:
+    """``precision.keep_high``, or the family's list (the layers Sol-RL's copy keeps high)."""
+    from diffrl.quant.keep_high import default_keep_high
+
+    return (
+        tuple(precision_cfg.keep_high) if precision_cfg.keep_high is not None else default_keep_high(family)
+    )
+
+
 class Fp8Flow:
     """Patches ``transformer``'s weight layers to run through one FP8 quantizer while a
     phase it covers is active. ``rollout`` / ``train``: whether each phase is quantized."""
@@ -172,7 +170,7 @@ class Fp8Flow:
         """Patch ``root``'s layers to this flow's switch; (quantized, kept) names. A full
         fine-tune's frozen reference copy is patched too, so the KL compares policies of one
         precision."""
-        quantized, kept = split_keep_high(flow_layer_names(root), self.keep_high)
+        quantized, kept = quantized_layers(root, self.keep_high)
         for name in quantized:
             self._patch(root.get_submodule(name))
         return quantized, kept
@@ -247,10 +245,8 @@ def build_precision_flow(
     p = precision_cfg
     if "fp8" not in (p.rollout, p.train):
         return None
-    from diffrl.quant.keep_high import default_keep_high
-
     backend = choose_flow_backend(p.backend)
-    keep = p.keep_high if p.keep_high is not None else default_keep_high(family)
+    keep = flow_keep_high(p, family)
     flow = Fp8Flow(transformer, p.rollout == "fp8", p.train == "fp8", p.scaling, backend, keep)
     if reference is not None:
         flow.patch(reference)

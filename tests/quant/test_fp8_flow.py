@@ -14,12 +14,23 @@ from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.config import ConfigError
 from diffrl.models import build_adapter
 from diffrl.quant.formats import fake_fp8_cast
-from diffrl.quant.fp8_flow import Fp8Flow, _casts, build_precision_flow, effective_weight
+from diffrl.quant.fp8_flow import Fp8Flow, _cast_args, build_precision_flow, effective_weight
 from diffrl.sampling.rollout import rollout_independent
 from diffrl.training.policy import Policy
 from tests.helpers import quick_config
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+def _casts(scaling: str):
+    """(activation, weight, gradient) quantize-dequantize of a torchao recipe, as the
+    reference GEMM casts its operands (row-wise: a weight's rows are its output rows)."""
+
+    def cast(role):
+        args = _cast_args(scaling, role)
+        return lambda x: fake_fp8_cast(x, *args)
+
+    return cast("act"), cast("weight"), cast("grad")
 
 
 def test_cast_by_hand():

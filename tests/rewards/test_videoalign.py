@@ -241,7 +241,9 @@ def test_template_from_a_url_pinned_by_sha256(release, tmp_path, monkeypatch):
         url = f"http://127.0.0.1:{server.server_address[1]}/{template.name}"
         sha = hashlib.sha256(template.read_bytes()).hexdigest()
         assert template_text(url, sha256=sha) == TEMPLATE
-        assert len(list((tmp_path / "hub" / "videoalign").glob("*.py"))) == 1  # kept: fetched once
+        assert (
+            len(list((tmp_path / "hub" / "checkpoints").glob("videoalign-*.py"))) == 1
+        )  # kept: fetched once
         with pytest.raises(VideoAlignError, match="not the pinned prompt_template.py"):
             template_text(url, sha256="0" * 64)
     finally:
