@@ -43,7 +43,7 @@ run() {
 export -f run
 export out iterations every EXTRA
 mkdir -p "$out"
-printf '%s\n' "${jobs[@]}" | xargs -P "${JOBS:-2}" -I{} bash -c 'run "$@"' _ {}
+printf '%s\n' "${jobs[@]}" | xargs -d '\n' -P "${JOBS:-2}" -I{} bash -c 'run "$@"' _ {}
 groups=()
 for m in "${methods[@]}"; do
   name=${m%%=*}

@@ -16,8 +16,10 @@ The transformer predicts the clean clip (x-prediction, Li & He 2025), as the ima
 does; see :func:`diffrl.models.toy.velocity_from_output`.
 
 ``model.pretrained: shapeworld_video`` loads the weights shipped in
-``assets/toy_video_model`` (``scripts/pretrain_toy_video.py``); ``tiny`` builds the same
-architecture with random weights; any other value is a local ``save_pretrained`` directory.
+``assets/toy_video_model`` (``scripts/pretrain_toy_video.py``; its tokens are tubes of 5
+frames x 8 x 8 pixels, see :func:`build_components`); ``tiny`` builds random weights with
+one frame per token, which any frame count divides; any other value is a local
+``save_pretrained`` directory.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, WanTra
 from diffusers.loaders import WanLoraLoaderMixin
 
 from diffrl.models import tiny
-from diffrl.models.base import Conditioning
+from diffrl.models.base import Conditioning, ModelLoadError
 from diffrl.models.loading import finalize_pipeline, scheduler_sigmas
 from diffrl.models.toy import euler_ode, load_toy, velocity_from_output, word_tokenizer
 from diffrl.models.wan import WanAdapter
@@ -47,10 +49,14 @@ def build_components(
     head_dim: int = 24,
     text_hidden: int = 64,
     text_layers: int = 2,
+    frame_patch: int = 1,
 ) -> dict:
     """Fresh (random) components of the toy video architecture; call under ``tiny.seeded``.
-    Patches are one frame by ``patch`` x ``patch`` pixels, so a 5-frame 32 px clip is
-    80 tokens."""
+    Patches are ``frame_patch`` frames by ``patch`` x ``patch`` pixels, so a 5-frame 32 px
+    clip is 80 tokens with one frame per patch. A token of real Wan covers more than one
+    frame: its VAE compresses time 4x and space 8x and the DiT patches latents 1 x 2 x 2,
+    so one token is a tube of 4 frames x 16 x 16 pixels; ``frame_patch`` > 1 is that tube
+    without the VAE (the clip's frames must be a multiple of it)."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = word_tokenizer(MAX_TOKENS, extra_words=VIDEO_WORDS)
@@ -58,7 +64,7 @@ def build_components(
         tiny.t5_config(tokenizer, d_model=text_hidden, layers=text_layers, config_class=UMT5Config)
     )
     transformer = WanTransformer3DModel(
-        patch_size=(1, patch, patch),
+        patch_size=(frame_patch, patch, patch),
         num_attention_heads=heads,
         attention_head_dim=head_dim,
         in_channels=3,
@@ -178,7 +184,7 @@ class ToyVideoAdapter(WanAdapter):
     @classmethod
     def from_pretrained(cls, model_cfg) -> ToyVideoAdapter:
         """``shapeworld_video`` = the shipped weights; otherwise a ``save_pretrained`` directory."""
-        return load_toy(
+        adapter = load_toy(
             super().from_pretrained,
             model_cfg,
             "shapeworld_video",
@@ -186,6 +192,13 @@ class ToyVideoAdapter(WanAdapter):
             "scripts/pretrain_toy_video.py",
             lambda adapter: adapter.pipe.config.resolution,
         )
+        tube = adapter.pipe.transformer.config.patch_size[0]
+        if model_cfg.num_frames % tube:
+            raise ModelLoadError(
+                f"model '{model_cfg.pretrained}' turns {tube} frames into one token; "
+                f"set model.num_frames to a multiple of {tube} (it is {model_cfg.num_frames})"
+            )
+        return adapter
 
     def _encode_uncached(self, prompts: list[str]) -> Conditioning:
         return self._encoded(

@@ -75,12 +75,14 @@ def test_save_pretrained_round_trip_and_lora(tmp_path):
 def test_shipped_model_loads_by_name_and_checks_resolution():
     assert (SHIPPED / "model_index.json").is_file()
     assert sum(f.stat().st_size for f in SHIPPED.rglob("*.safetensors")) < 20e6
-    adapter = build_adapter(tiny_cfg(pretrained="shapeworld_video"))
+    adapter = build_adapter(tiny_cfg(pretrained="shapeworld_video", num_frames=5))
     cond = adapter.encode_prompts(PROMPTS[:1])
-    v = adapter.velocity(adapter.transformer, torch.zeros(1, 3, 3, 32, 32), torch.tensor([0.5]), cond)
+    v = adapter.velocity(adapter.transformer, torch.zeros(1, 3, 5, 32, 32), torch.tensor([0.5]), cond)
     assert torch.isfinite(v).all()
     with pytest.raises(ModelLoadError, match="set model.height and model.width to 32"):
-        build_adapter(tiny_cfg(pretrained="shapeworld_video", height=64, width=64))
+        build_adapter(tiny_cfg(pretrained="shapeworld_video", height=64, width=64, num_frames=5))
+    with pytest.raises(ModelLoadError, match="set model.num_frames to a multiple of 5 \\(it is 3\\)"):
+        build_adapter(tiny_cfg(pretrained="shapeworld_video"))
 
 
 def test_missing_shipped_weights_are_one_error_naming_the_rebuild(tmp_path, monkeypatch):
@@ -150,6 +152,8 @@ def test_pretrain_video_script_rejects_bad_arguments_in_one_line(capsys):
     assert "is not a saved toy video model" in capsys.readouterr().err
     assert script.main(["--sigma-location", "2.5,0", "--sigma-weights", "1"]) == 2
     assert "--sigma-weights as many non-negative weights" in capsys.readouterr().err
+    assert script.main(["--frame-patch", "2"]) == 2
+    assert "--frames (5) must be a multiple of --frame-patch (2)" in capsys.readouterr().err
 
 
 def test_clips_render_in_wan_layout():
@@ -210,6 +214,21 @@ class _ClipDrawingModel:
         x0 = torch.from_numpy(clips).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
         return (x - x0) / sigma.view(-1, 1, 1, 1, 1)
 
+    def __call__(self, captions, num_frames, num_inference_steps, generator):
+        """Samples: the predicted clips in [0, 1], (B, F, 3, H, W)."""
+        sigma = torch.ones(len(captions))
+        x0 = -self.velocity(torch.zeros(len(captions), 3, num_frames, 32, 32), sigma, captions)
+        return ((x0 + 1) / 2).permute(0, 2, 1, 3, 4)
+
+
+def test_sampled_motion_probe_reads_the_direction_of_the_samples():
+    from diffrl.toy.motion_probe import sampled_motion
+
+    reads = sampled_motion(_ClipDrawingModel(), seeds=(0, 1))
+    assert all(abs(reads[d] - 12.0) < 1e-3 for d in ("left", "right", "up", "down"))
+    deaf = sampled_motion(_ClipDrawingModel(always="down"))
+    assert abs(deaf["down"] - 12.0) < 1e-3 and abs(deaf["up"] + 12.0) < 1e-3 and abs(deaf["mean"]) < 1e-3
+
 
 def test_motion_probe_reads_the_direction_from_the_predicted_clip():
     from diffrl.toy.motion_probe import motion_mass
@@ -247,3 +266,81 @@ def test_the_video_dit_has_no_absolute_position_unlike_the_image_mmdit():
         out = image.velocity(torch.zeros(1, 3, 32, 32), torch.tensor([0.98]), *cond)
         patches = out[0].reshape(3, 4, 8, 4, 8).permute(1, 3, 0, 2, 4).reshape(16, -1)
         assert (patches - patches[0]).abs().max() > 1e-3
+
+
+def test_clip_kinds_caption_what_the_clip_shows():
+    """direction clips keep the caption; moving clips drop the direction word but still move
+    (the verifier, told the direction, passes them); still clips drop "moving" too and stand
+    still. The motion is always the training caption's."""
+    from diffrl.toy.pretrain_video import VideoPretrainConfig, clip_motions, kind_captions, render_clips
+    from rewards.shapeworld.video import ShapeWorldVideoVerifier
+
+    captions = ["a red circle moving left", "a blue square moving up", "a green triangle moving down"]
+    shown, moving = kind_captions(captions, ["direction", "moving", "still"])
+    assert shown == ["a red circle moving left", "a blue square moving", "a green triangle"]
+    assert moving == [1, 1, 0] and kind_captions([""], ["still"]) == ([""], [0])  # dropped stays ""
+    motions = [(m, k * mult) for (m, mult), k in zip(clip_motions(captions, 0.0, random.Random(0)), moving)]
+    clips = render_clips(motions, random.Random(0), VideoPretrainConfig())
+    scores = ShapeWorldVideoVerifier()((clips.permute(0, 2, 1, 3, 4) + 1) / 2, captions)
+    assert scores["shapeworld_video_moves"].tolist() == [1.0, 1.0, 0.0]
+    assert scores["shapeworld_video_coherent"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_video_curriculum_stages_and_their_errors(tmp_path):
+    """Stages switch at their step and carry their own density; a bad stage is one error
+    naming the clip kinds; no curriculum is direction clips only."""
+    from diffrl.toy.pretrain_video import VideoPretrainConfig, _stages
+    from diffrl.toy.recipe import stage_at
+
+    stages = _stages(VideoPretrainConfig(curriculum="0,1,1@10~2.0; 1,1,0", sigma_location="0.5"))
+    assert [s.kind_weights for s in stages] == [(0.0, 1.0, 1.0), (1.0, 1.0, 0.0)]
+    assert stages[0].density.locations == (2.0,) and stages[1].density.locations == (0.5,)
+    assert [stage_at(stages, n) for n in (1, 10, 11, 500)] == [0, 0, 1, 1]
+    assert [s.kind_weights for s in _stages(VideoPretrainConfig(curriculum=""))] == [(1.0, 0.0, 0.0)]
+    assert [s.steps for s in _stages(VideoPretrainConfig())] == [1000, 1000, None]  # the shipped recipe
+    with pytest.raises(ValueError, match="direction, moving, still"):
+        _stages(VideoPretrainConfig(curriculum="0,1@10; 1,1,0"))
+
+
+class _FramewiseModel:
+    """x0 prediction = tanh of the noise, frame by frame, or (``tied``) of frame 0's noise
+    in every frame: the two ends of frame_coupling."""
+
+    def __init__(self, tied: bool):
+        self.config = type("C", (), {"resolution": 32})()
+        self.tied = tied
+
+    def text_embeddings(self, captions):
+        return captions
+
+    def velocity(self, x, sigma, captions):
+        x0 = torch.tanh(x[:, :, :1].expand_as(x) if self.tied else x)
+        return (x - x0) / sigma.view(-1, 1, 1, 1, 1)
+
+
+def test_frame_coupling_separates_tied_from_framewise_predictions():
+    from diffrl.toy.motion_probe import frame_coupling
+
+    assert frame_coupling(_FramewiseModel(tied=True)) == pytest.approx(1.0, abs=1e-5)
+    assert frame_coupling(_FramewiseModel(tied=False)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_tube_patches_roll_out_as_the_pipeline_samples(tmp_path):
+    """A model whose tokens span frames (``frame_patch``, as a Wan token spans 4 frames
+    through its VAE) loads from a directory and rolls out through diffrl's Wan call
+    exactly as its own sampler draws it."""
+    from diffrl.models import tiny
+    from diffrl.models.toy_video import build_components
+
+    with tiny.seeded(0):
+        pipe = ToyVideoPipeline(**build_components(frame_patch=5, head_dim=12))
+    assert pipe.transformer.config.patch_size == (5, 8, 8)
+    pipe.save_pretrained(tmp_path / "tube")
+    overrides = [f"model.pretrained={tmp_path / 'tube'}", "model.num_frames=5", "data.allow_toy_prompts=true"]
+    cfg = load_config("toy_video_flowgrpo", overrides)
+    adapter = build_adapter(cfg.model)
+    cond = adapter.encode_prompts(PROMPTS)
+    traj = rollout_independent(adapter, adapter.transformer, cond, [("k", 0), ("k", 1)], cfg, 3, ["ode"] * 3)
+    clips = pipe(PROMPTS, num_frames=5, num_inference_steps=3, latents=traj.latents[:, 0])
+    assert clips.shape == traj.images.shape == (2, 5, 3, 32, 32)
+    assert torch.allclose(clips, traj.images, atol=1e-5)

@@ -72,3 +72,30 @@ def test_shipped_prompt_files_are_the_split():
     train, held = video_split()
     assert load_prompts(PROJECT_ROOT / "assets/shapeworld/video/train.txt") == train
     assert load_prompts(PROJECT_ROOT / "assets/shapeworld/video/heldout.txt") == held
+
+
+def test_coherence_is_a_continuous_track_not_the_end_points():
+    """A clip whose middle frames are shuffled starts and ends right (moves passes) but its
+    object jumps 10 px and more between frames (> 0.2 x 32 = 6.4 px): not coherent. A still
+    clip is coherent though it fails moves; a track with one frame missed is continuous, one
+    seen in fewer than min_present of the frames is not."""
+    verifier = build("shapeworld_video")
+    motion = Motion("blue", "circle", "left")
+    clip = _clips([motion])  # 8 frames, 2 px per frame
+    shuffled = clip[:, [0, 6, 1, 5, 2, 4, 3, 7]]
+    still = clip[:, :1].expand_as(clip).clone()
+    gap, gaps = clip.clone(), clip.clone()
+    gap[:, 3] = 1.0  # one blank white frame: 7 of 8 sightings, their steps 2 px per frame
+    gaps[:, 2:5] = 1.0  # three: 5 of 8, below min_present
+    cases = {"moves": (clip, 1.0, 1.0), "shuffled": (shuffled, 1.0, 0.0), "still": (still, 0.0, 1.0)}
+    cases.update(gap=(gap, 1.0, 1.0), gaps=(gaps, 1.0, 0.0))
+    for name, (video, moves, coherent) in cases.items():
+        out = verifier(video, [motion.caption()])
+        assert out["shapeworld_video_moves"].item() == moves, name
+        assert out["shapeworld_video_coherent"].item() == coherent, name
+    strict = build("shapeworld_video", max_jump=0.05)  # 1.6 px: the 2 px steps are jumps now
+    assert strict(clip, [motion.caption()])["shapeworld_video_coherent"].item() == 0.0
+    every = build("shapeworld_video", min_present=1.0)  # every frame: the gap breaks the track
+    assert every(gap, [motion.caption()])["shapeworld_video_coherent"].item() == 0.0
+    with pytest.raises(ValueError, match="max_jump"):
+        build("shapeworld_video", max_jump=0)
