@@ -29,21 +29,38 @@ def _centroids(dark: torch.Tensor) -> torch.Tensor:
     return torch.stack([(dark.sum(-2) * xs).sum(-1) / total, (dark.sum(-1) * ys).sum(-1) / total], dim=-1)
 
 
+def _shift_along(dark: torch.Tensor, direction: str) -> torch.Tensor:
+    """(B,) first-to-last-frame shift (px) of the darkness centroid of (B, F, H, W) maps
+    along ``direction``."""
+    ux, uy = DIRECTIONS[direction]
+    c = _centroids(dark)
+    shift = c[:, -1] - c[:, 0]
+    return shift[:, 0] * ux + shift[:, 1] * uy
+
+
+def _per_direction(shifts_for) -> dict[str, float]:
+    """``shifts_for(direction, captions)`` -> (N,) shifts, for the 18 colour-shape captions
+    of each direction: their means per direction and the mean of those."""
+    out = {}
+    for direction in DIRECTIONS:
+        captions = [
+            f"a {c} {s} moving {direction}" for c, s in itertools.product(grammar.COLOURS, grammar.SHAPES)
+        ]
+        out[direction] = float(shifts_for(direction, captions).mean())
+    out["mean"] = sum(out.values()) / len(DIRECTIONS)
+    return out
+
+
 @torch.no_grad()
 def motion_mass(pipe, frames: int = 5, sigma: float = 0.98, seed: int = 0) -> dict[str, float]:
     """Per direction: the mean first-to-last-frame shift (px) of the x0 prediction's
     darkness centroid along that direction, over all 18 objects; ``mean``: their mean."""
-    out = {}
-    size = pipe.config.resolution
-    for direction, (ux, uy) in DIRECTIONS.items():
-        captions = [
-            f"a {c} {s} moving {direction}" for c, s in itertools.product(grammar.COLOURS, grammar.SHAPES)
-        ]
-        c = _centroids(darkness_from_noise(pipe, captions, (3, frames, size, size), sigma, seed))
-        shift = c[:, -1] - c[:, 0]
-        out[direction] = float((shift[:, 0] * ux + shift[:, 1] * uy).mean())
-    out["mean"] = sum(out.values()) / len(DIRECTIONS)
-    return out
+    shape = (3, frames, pipe.config.resolution, pipe.config.resolution)
+    return _per_direction(
+        lambda direction, captions: _shift_along(
+            darkness_from_noise(pipe, captions, shape, sigma, seed), direction
+        )
+    )
 
 
 @torch.no_grad()
@@ -59,21 +76,16 @@ def sampled_motion(
     sample's object (seeded by the noise), which :func:`motion_mass` at sigma 0.98 does not
     see. A token that spans the frames carries the motion inside it, and both probes read
     it (docs/BENCHMARKS.md, the video toy). The samples show what a user sees."""
-    out = {}
-    for direction, (ux, uy) in DIRECTIONS.items():
-        captions = [
-            f"a {c} {s} moving {direction}" for c, s in itertools.product(grammar.COLOURS, grammar.SHAPES)
-        ]
-        shifts = []
+
+    def shifts(direction: str, captions: list[str]) -> torch.Tensor:
+        out = []
         for seed in seeds:
             gen = torch.Generator().manual_seed(seed)
             clips = pipe(captions, num_frames=frames, num_inference_steps=steps, generator=gen)
-            c = _centroids(1 - clips.mean(2))  # (B, F, 3, H, W) in [0, 1] -> darkness (B, F, H, W)
-            shift = c[:, -1] - c[:, 0]
-            shifts.append(shift[:, 0] * ux + shift[:, 1] * uy)
-        out[direction] = float(torch.cat(shifts).mean())
-    out["mean"] = sum(out.values()) / len(DIRECTIONS)
-    return out
+            out.append(_shift_along(1 - clips.mean(2), direction))  # (B, F, 3, H, W) -> darkness
+        return torch.cat(out)
+
+    return _per_direction(shifts)
 
 
 @torch.no_grad()

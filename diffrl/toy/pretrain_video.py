@@ -112,14 +112,9 @@ def kind_captions(captions: list[str], kinds: list[str]) -> tuple[list[str], lis
     """Captions as each clip's kind says them, and the pixels-per-frame multiplier (0 for a
     still clip). The motion stays the training caption's, so no held-out combination of
     colour, shape and direction is ever drawn."""
-    out, moving = [], []
-    for caption, kind in zip(captions, kinds):
-        words = caption.split()
-        out.append(
-            {"direction": caption, "moving": " ".join(words[:-1]), "still": " ".join(words[:-2])}[kind]
-        )
-        moving.append(0 if kind == "still" else 1)
-    return out, moving
+    dropped = {"direction": 0, "moving": 1, "still": 2}  # trailing words left out
+    out = [" ".join(c.split()[: len(c.split()) - dropped[k]]) for c, k in zip(captions, kinds)]
+    return out, [0 if kind == "still" else 1 for kind in kinds]
 
 
 def render_clips(
@@ -206,9 +201,14 @@ def _probes(pipe: ToyVideoPipeline, cfg: VideoPretrainConfig) -> dict:
 def _initial_pipeline(cfg: VideoPretrainConfig) -> ToyVideoPipeline:
     if cfg.init is None:
         with tiny.seeded(cfg.seed):
-            sizes = {"layers": cfg.layers, "heads": cfg.heads, "head_dim": cfg.head_dim}
-            sizes.update(patch=cfg.patch, frame_patch=cfg.frame_patch)
-            components = build_components(cfg.resolution, **sizes)
+            components = build_components(
+                cfg.resolution,
+                patch=cfg.patch,
+                layers=cfg.layers,
+                heads=cfg.heads,
+                head_dim=cfg.head_dim,
+                frame_patch=cfg.frame_patch,
+            )
             return ToyVideoPipeline(**components, resolution=cfg.resolution)
     pipe = ToyVideoPipeline.from_pretrained(cfg.init)
     if pipe.config.resolution != cfg.resolution:
