@@ -7,43 +7,7 @@ import sys
 
 from diffrl.config import ConfigError, describe, load_config
 from diffrl.training.plan import derive, format_plan
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Error types that mean bad input: printed as one line, never as a traceback."""
-    from diffrl.data import PromptSetError, UnknownPromptSet
-    from diffrl.evaluation.compare import CompareError
-    from diffrl.models.base import ModelLoadError
-    from diffrl.training.checkpoint import CheckpointError
-    from diffrl.training.data import PromptFileError
-    from diffrl.training.preflight import PreflightError
-    from diffrl.training.watchdog import TrainingStalledError
-    from rewards import RewardArgsError, UnknownRewardError
-    from rewards.clip_common import MissingRewardWeightsError
-    from rewards.combine import RewardPromptError
-    from rewards.imagereward import ImageRewardCheckpointError, ImageRewardFilesMissing
-    from rewards.images import RewardInputError
-    from rewards.prompts import ImageFileError
-
-    return (
-        ConfigError,
-        PromptFileError,
-        ModelLoadError,
-        UnknownRewardError,
-        CheckpointError,
-        RewardInputError,
-        RewardPromptError,
-        MissingRewardWeightsError,
-        ImageRewardFilesMissing,
-        ImageRewardCheckpointError,
-        CompareError,
-        TrainingStalledError,
-        ImageFileError,
-        RewardArgsError,
-        PromptSetError,
-        UnknownPromptSet,
-        PreflightError,
-    )
+from rewards.errors import UserError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -124,7 +88,7 @@ def main(argv=None) -> int:
         if args.resume:
             trainer.resume(args.resume)
         trainer.fit()
-    except _user_errors() as err:
+    except UserError as err:
         say_error(err)
         return 2
     except KeyboardInterrupt:
@@ -153,15 +117,18 @@ def _interrupted_message(cfg) -> str:
 def _check_inputs(cfg) -> None:
     """What every start checks before touching the run directory or loading weights: reward
     names and argument names, and the prompt files."""
-    from diffrl.training.data import check_image_column, load_prompts
+    from diffrl.data.prompts import check_image_column, load_prompts
+    from diffrl.models import adapter_class
     from rewards.combine import check_reward_specs
 
     check_reward_specs(cfg.rewards)
     paths = [cfg.data.train_prompts] + (
         [cfg.data.eval_prompts] if cfg.eval.every or cfg.eval.at_start else []
     )
-    for path in paths:
-        check_image_column(load_prompts(path), path, cfg.model.family)
+    loaded = [(path, load_prompts(path)) for path in paths]  # a bad file fails before models import
+    edits = adapter_class(cfg.model.family).edits_images
+    for path, prompts in loaded:
+        check_image_column(prompts, path, cfg.model.family, edits)
 
 
 def _preflight_only(cfg) -> int:
@@ -224,6 +191,6 @@ def run_cli(fn, argv=None) -> None:
     """Run a script's ``main``; bad input ends with one ``error:`` line and exit code 2."""
     try:
         fn(argv)
-    except _user_errors() as err:
+    except UserError as err:
         say_error(err)
         raise SystemExit(2) from None

@@ -17,10 +17,12 @@ from typing import Any, Literal
 
 import yaml
 
+from rewards.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override is invalid; the message names the file, key and fix."""
 
 

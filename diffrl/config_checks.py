@@ -172,7 +172,7 @@ TOY_MODELS = ("tiny", "shapeworld", "shapeworld_late", "shapeworld_video")
 def is_real_model(pretrained: str) -> bool:
     from pathlib import Path
 
-    from diffrl.training.data import PROJECT_ROOT
+    from diffrl.data.prompts import PROJECT_ROOT
 
     if pretrained in TOY_MODELS or pretrained.startswith("random:"):
         return False
@@ -185,7 +185,7 @@ def _check_toy_prompts(cfg) -> None:
     """A real model on the shipped toy prompts is no experiment: refused, unless the
     config says so (``data.allow_toy_prompts``)."""
     from diffrl.data import is_set_name
-    from diffrl.training.data import PROJECT_ROOT, resolve_prompt_path
+    from diffrl.data.prompts import PROJECT_ROOT, resolve_prompt_path
 
     if cfg.data.allow_toy_prompts or not is_real_model(cfg.model.pretrained):
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 
+from rewards.errors import UserError
 from rewards.registry import Registry
 
 # name -> "module:factory"; factories take the config's ``args`` as keyword arguments
@@ -40,12 +41,12 @@ _FACTORIES: dict[str, str] = {
 }
 
 
-class UnknownRewardError(KeyError):
+class UnknownRewardError(UserError, KeyError):
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly
         return self.args[0]
 
 
-class RewardArgsError(ValueError):
+class RewardArgsError(UserError, ValueError):
     """A reward's ``args`` (or the reward list) in the config are wrong; names the fix."""
 
 

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 import torch
 import torch.nn.functional as F
 
-from rewards.errors import one_line
+from rewards.errors import UserError, one_line
 from rewards.images import RewardInputError, to_tensor_batch
 
 # OpenAI CLIP's published pixel statistics (Radford et al. 2021; ``OPENAI_DATASET_MEAN/STD``
@@ -47,7 +47,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 
 
-class MissingRewardWeightsError(FileNotFoundError):
+class MissingRewardWeightsError(UserError, FileNotFoundError):
     """A reward's weights are neither on disk nor obtainable from the hub."""
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 import rewards
+from rewards.errors import UserError
 
 
-class RewardPromptError(ValueError):
+class RewardPromptError(UserError, ValueError):
     """A prompt list contains prompts a configured reward cannot score."""
 
 

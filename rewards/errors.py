@@ -10,6 +10,14 @@ from __future__ import annotations
 
 import re
 
+
+class UserError(Exception):
+    """Bad input from the user (a config key, a path, a checkpoint, a reward's arguments):
+    every entry point prints it as one ``error:`` line, once however many processes run,
+    and never as a traceback. Each such error type of ``rewards`` and ``diffrl`` derives
+    from it, so the entry points catch this one class instead of keeping a list."""
+
+
 # sentences that point at output the user does not see once the error is one line
 _POINTERS = re.compile(r"[^.]*\b(stack ?trace|traceback)\b[^.]*(above|below)[^.]*\.?", re.IGNORECASE)
 MAX_CHARS = 400

@@ -31,7 +31,7 @@ from torch import nn
 
 from rewards.blip import BertTextEncoder, TextConfig, VisionTransformer, ViTConfig
 from rewards.clip_common import resolve_dtype
-from rewards.errors import one_line
+from rewards.errors import UserError, one_line
 from rewards.heads import RewardMLP
 from rewards.images import RewardInputError, to_tensor_batch
 
@@ -63,11 +63,11 @@ _RENAMES = (
 _UNUSED = ("blip.vision_proj.", "blip.text_proj.", "blip.text_encoder.embeddings.position_ids")
 
 
-class ImageRewardFilesMissing(FileNotFoundError):
+class ImageRewardFilesMissing(UserError, FileNotFoundError):
     """A file the ImageReward loader needs is not on disk and could not be fetched."""
 
 
-class ImageRewardCheckpointError(ValueError):
+class ImageRewardCheckpointError(UserError, ValueError):
     """The checkpoint's keys or shapes do not match the model that was built."""
 
 

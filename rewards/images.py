@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rewards.errors import UserError
 
-class RewardInputError(ValueError):
+
+class RewardInputError(UserError, ValueError):
     """Images passed to a reward have the wrong type, shape or range."""
 
 

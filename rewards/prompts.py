@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rewards.errors import UserError
 
-class ImageFileError(ValueError):
+
+class ImageFileError(UserError, ValueError):
     """An input image is missing or cannot be decoded; the message names the file."""
 
 

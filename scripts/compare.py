@@ -53,10 +53,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     from diffrl.config import load_config
+    from diffrl.data.prompts import check_image_column, load_prompts
     from diffrl.evaluation.compare import CompareError, parse_checkpoints, run_comparison, with_rlg_scales
     from diffrl.evaluation.compare_report import grid_pages, write_html, write_jsonl
-    from diffrl.models import build_adapter
-    from diffrl.training.data import check_image_column, load_prompts
+    from diffrl.models import adapter_class, build_adapter
     from diffrl.training.policy import Policy
     from rewards.combine import MultiReward
 
@@ -72,7 +72,8 @@ def main(argv=None) -> dict:
         raise CompareError(f"--rlg-scales must be comma-separated numbers, got '{args.rlg_scales}'") from None
     columns = with_rlg_scales(parse_checkpoints(args.checkpoint), scales)
     prompts = load_prompts(args.prompts or cfg.data.eval_prompts)[: args.num_prompts]
-    check_image_column(prompts, args.prompts or cfg.data.eval_prompts, cfg.model.family)
+    edits = adapter_class(cfg.model.family).edits_images
+    check_image_column(prompts, args.prompts or cfg.data.eval_prompts, cfg.model.family, edits)
     reward_fn = MultiReward(cfg.rewards)
     reward_fn.check_prompts(prompts, args.prompts or cfg.data.eval_prompts)
     adapter = build_adapter(cfg.model)

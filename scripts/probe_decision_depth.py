@@ -62,10 +62,10 @@ def measure(args):
     import tempfile
 
     from diffrl.config import load_config
+    from diffrl.data.prompts import load_prompts
     from diffrl.evaluation import decision_depth as dd
     from diffrl.evaluation.scoring import spaced_subset
     from diffrl.sampling.windows import sde_window_at
-    from diffrl.training.data import load_prompts
     from diffrl.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:

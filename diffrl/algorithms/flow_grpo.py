@@ -70,6 +70,19 @@ def rescored(ctx: LossContext, batch: StepBatch):
     return _rescore(batch, v, level, ctx.objective_cfg.logprob_reduction), level
 
 
+def normalized_log_ratio(
+    log_ratio: torch.Tensor, new_mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """(B,) GRPO-Guard's log rho = s log r + mean((mu_theta - mu_old)^2) / (2 s)
+    (:mod:`diffrl.algorithms.grpo_guard` derives it); flow-GRPO's loss takes it in place
+    of log r when ``ratio_norm`` is on."""
+    if old_mean is None:
+        raise ValueError("grpo_guard needs the rollout's transition means (the updater provides them)")
+    s = std.to(log_ratio.dtype)
+    shift = (new_mean.float() - old_mean.float()).pow(2).flatten(1).mean(1)
+    return s * log_ratio + shift / (2 * s)
+
+
 def flow_grpo_loss(
     ctx: LossContext, batch: StepBatch, ratio_norm: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -80,8 +93,6 @@ def flow_grpo_loss(
     new, level = rescored(ctx, batch)
     log_ratio = new.log_prob - batch.old_log_prob
     if ratio_norm:
-        from diffrl.algorithms.grpo_guard import normalized_log_ratio
-
         log_ratio = normalized_log_ratio(log_ratio, new.mean, batch.old_mean, new.std)
     ratio = torch.exp(log_ratio)
     adv = torch.clamp(batch.advantages, -ocfg.adv_clip_max, ocfg.adv_clip_max)

@@ -32,21 +32,10 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
-
-from diffrl.algorithms.flow_grpo import flow_grpo_loss
+from diffrl.algorithms.flow_grpo import flow_grpo_loss, normalized_log_ratio
 from diffrl.algorithms.objective import Objective, register_objective
 
-
-def normalized_log_ratio(
-    log_ratio: torch.Tensor, new_mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor
-) -> torch.Tensor:
-    """(B,) GRPO-Guard's log rho = s log r + mean((mu_theta - mu_old)^2) / (2 s)."""
-    if old_mean is None:
-        raise ValueError("grpo_guard needs the rollout's transition means (the updater provides them)")
-    s = std.to(log_ratio.dtype)
-    shift = (new_mean.float() - old_mean.float()).pow(2).flatten(1).mean(1)
-    return s * log_ratio + shift / (2 * s)
+__all__ = ["GRPO_GUARD", "normalized_log_ratio"]
 
 
 GRPO_GUARD = Objective("grpo_guard", partial(flow_grpo_loss, ratio_norm=True), trains_on="transitions")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rewards.errors import UserError
+
 FLOW_GRPO = ("yifan123/flow_grpo", "ac4c86e8cae021841f1fde853d340e0db67690dd")
 GENEVAL = ("djghosh13/geneval", "af4902f24d3ca90ebbb446dd9891a59e0f82725f")
 DANCEGRPO = ("XueZeyue/DanceGRPO", "15cc71d53cc2e6e18a68ee607d5fb6ba9a99e344")
@@ -270,7 +272,7 @@ SETS: dict[str, PromptSet] = {
 }
 
 
-class UnknownPromptSet(KeyError):
+class UnknownPromptSet(UserError, KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
 

@@ -21,12 +21,13 @@ import urllib.request
 from pathlib import Path
 
 from diffrl.data.registry import PromptSet, SourceFile, get
+from rewards.errors import UserError
 
 TIMEOUT_S = 60
 CHUNK = 1 << 20
 
 
-class PromptSetError(ValueError):
+class PromptSetError(UserError, ValueError):
     """A prompt set cannot be fetched or found; the message names the set and the fix."""
 
 

@@ -17,9 +17,10 @@ import torch
 from diffrl.evaluation.rlg import GuidedTransformer
 from diffrl.evaluation.scoring import eval_plan
 from diffrl.sampling.rollout import rollout_independent
+from rewards.errors import UserError
 
 
-class CompareError(ValueError):
+class CompareError(UserError, ValueError):
     """A bad checkpoint, prompt list or scale: one line naming it and the fix."""
 
 

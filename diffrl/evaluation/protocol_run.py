@@ -2,7 +2,7 @@
 
 The model is a config's (``model.pretrained``, its sampler and resolution), plus a diffrl
 checkpoint (loaded as ``--resume`` loads it, its EMA weights scored as training scores
-them) or a LoRA from elsewhere (:mod:`diffrl.evaluation.outside_lora`). The prompts are
+them) or a LoRA from elsewhere (:mod:`diffrl.models.lora_files`). The prompts are
 the protocol's set unless ``--prompts`` names another set or file; ``--limit`` takes the
 first N prompts. Rewards are the protocol's; ``--rewards`` picks a subset and
 ``--reward-arg NAME.KEY=VALUE`` gives their weights. Writes ``<out>/<protocol>.md`` (the
@@ -55,7 +55,7 @@ def build_trainer(a, protocol: P.Protocol, run_dir: str):
     if a.checkpoint != "base":
         trainer.resume(a.checkpoint)
     if a.lora:
-        from diffrl.evaluation.outside_lora import load_outside_lora
+        from diffrl.models.lora_files import load_outside_lora
 
         load_outside_lora(trainer.adapter.transformer, a.lora, log=trainer.acc.print)
     return trainer, source

@@ -21,12 +21,8 @@ of one (tested over gloo). Only the main process writes it.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -59,30 +55,10 @@ PROTOCOLS = {
 # -- prompts and their groups ---------------------------------------------------------------
 def protocol_items(protocol: Protocol, source: str) -> list[tuple[str, str | None]]:
     """(prompt, group) in file order: GenEval's task tag, DrawBench's category, the HPDv2
-    benchmark's style (its file), or None."""
-    from diffrl.data import is_set_name, local_files
-    from diffrl.training.data import load_prompts, resolve_prompt_path
+    benchmark's style (its file), or None (:class:`~diffrl.data.prompts.PromptRecord`)."""
+    from diffrl.data.prompts import read_prompts
 
-    files = local_files(source) if is_set_name(source) else [resolve_prompt_path(source)]
-    items = []
-    for path in files:
-        prompts = load_prompts(path)
-        groups = _groups(path, len(prompts))
-        items += list(zip(prompts, groups))
-    return items
-
-
-def _groups(path: Path, n: int) -> list[str | None]:
-    if path.suffix == ".jsonl":
-        tags = [json.loads(line).get("tag") for line in path.read_text().splitlines() if line.strip()]
-        return tags if len(tags) == n else [None] * n
-    if path.suffix == ".csv":
-        rows = list(csv.DictReader(io.StringIO(path.read_text())))
-        categories = [r.get("Category") for r in rows if (r.get("Prompts") or r.get("prompt") or "").strip()]
-        return categories if len(categories) == n else [None] * n
-    if path.suffix == ".json":
-        return [path.stem] * n
-    return [None] * n
+    return [(r.prompt, r.group) for r in read_prompts(source)]
 
 
 # -- generating and scoring, sharded by chunks ------------------------------------------------

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rewards.errors import UserError
+
 
 @dataclass
 class Conditioning:
@@ -59,7 +61,7 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
             return module
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError, RuntimeError):
     """Weights could not be found or loaded; the message names the model and the fix."""
 
 

@@ -26,10 +26,10 @@ import torch
 from diffusers import FluxKontextPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext import retrieve_latents
 
+from diffrl.data.prompts import PromptFileError
 from diffrl.models.base import Conditioning
 from diffrl.models.flux import FluxAdapter
 from diffrl.models.loading import module_dtype, unwrap
-from diffrl.training.data import PromptFileError
 from rewards.prompts import EditPrompt, load_image
 
 

@@ -58,11 +58,11 @@ import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_latents
 
+from diffrl.data.prompts import PromptFileError
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
 from diffrl.models.loading import finalize_pipeline, module_dtype
 from diffrl.models.qwenimage import QwenImageAdapter, _pad_to, tiny_text_encoder_config
-from diffrl.training.data import PromptFileError
 from rewards.prompts import EditPrompt, load_image
 
 # Words and pre-tokenizer pieces of QwenImageEditPipeline's system prompt beyond the

@@ -23,7 +23,7 @@ def benchmark_prompts(adapter, count: int) -> list[str]:
     the first shipped ShapeWorld edits instead, which carry their input images."""
     if not adapter.edits_images:
         return [PROMPTS[i % len(PROMPTS)] for i in range(count)]
-    from diffrl.training.data import PROJECT_ROOT, load_prompts
+    from diffrl.data.prompts import PROJECT_ROOT, load_prompts
 
     edits = load_prompts(PROJECT_ROOT / "assets" / "shapeworld" / "edit" / "train.jsonl")[: len(PROMPTS)]
     return [edits[i % len(edits)] for i in range(count)]

@@ -33,13 +33,14 @@ from safetensors.torch import load_file, save_file
 import diffrl
 from diffrl.config import save_config
 from diffrl.training.sharding import is_sharded
+from rewards.errors import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # what every checkpoint holds; checked by name when meta.json predates its file list
 REQUIRED = ("trainable.safetensors", "optimizer.bin", "random_states_0.pkl")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

@@ -77,7 +77,7 @@ def closing_lines(run_dir: Path, last_checkpoint: Path | None, ema_decay: float 
         )
     else:
         lines.append("weights:     the evaluations scored the trained weights, which each checkpoint exports")
-    from diffrl.training.data import PROJECT_ROOT
+    from diffrl.data.prompts import PROJECT_ROOT
 
     script = PROJECT_ROOT / "scripts" / "report.py"  # absolute: the run may start from any directory
     lines.append(

@@ -56,7 +56,7 @@ class Policy:
             self.frozen_reference = copy.deepcopy(transformer).requires_grad_(False).eval()
             transformer.requires_grad_(True)
         if self.is_lora and model_cfg.init_lora:
-            from diffrl.training.init_lora import load_init_lora
+            from diffrl.models.lora_files import load_init_lora
 
             load_init_lora(transformer, model_cfg.init_lora, model_cfg.lora)
         if upcast_trainable or self.is_lora:  # LoRA weights are small: fp32 before sharding is fine

@@ -27,10 +27,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rewards.errors import UserError
+
 TRANSFORMERS_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]  # config, weights, tokenizer
 
 
-class PreflightError(RuntimeError):
+class PreflightError(UserError, RuntimeError):
     """What a run reads is missing and cannot come by itself; the message lists all of it."""
 
 
@@ -95,7 +97,7 @@ def model_needs(cfg) -> list[Need]:
 
 def prompt_needs(cfg) -> list[Need]:
     from diffrl.data import is_set_name
-    from diffrl.training.data import resolve_prompt_path
+    from diffrl.data.prompts import resolve_prompt_path
 
     needs = []
     for key in ("train_prompts", "eval_prompts"):

@@ -20,16 +20,17 @@ from diffrl.algorithms import compute_advantages, get_objective
 from diffrl.algorithms.solrl import SolRLSettings, SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
+from diffrl.data.prompts import check_image_column, load_prompts
 from diffrl.evaluation.scoring import EvalSettings, evaluate, spaced_subset
 from diffrl.evaluation.summary import before_after
-from diffrl.models import build_adapter
+from diffrl.models import adapter_class, build_adapter
 from diffrl.perf.runtime import apply_attention_backend, compiled
 from diffrl.quant.fp8_flow import build_precision_flow
 from diffrl.sampling import SamplerSettings, get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
-from diffrl.training.data import check_image_column, load_prompts, plan_step
+from diffrl.training.data import plan_step
 from diffrl.training.metrics import MetricsLogger, StageClock
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
@@ -65,8 +66,9 @@ class Trainer:
         self.train_eval_prompts = (
             spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
         )
-        check_image_column(self.train_prompts, cfg.data.train_prompts, cfg.model.family)
-        check_image_column(self.eval_prompts, cfg.data.eval_prompts, cfg.model.family)
+        edits = adapter_class(cfg.model.family).edits_images
+        check_image_column(self.train_prompts, cfg.data.train_prompts, cfg.model.family, edits)
+        check_image_column(self.eval_prompts, cfg.data.eval_prompts, cfg.model.family, edits)
         self.reward_fn = MultiReward(cfg.rewards)
         self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
         self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)

@@ -9,8 +9,10 @@ would only burn compute and exit 0 having learned nothing.
 
 from __future__ import annotations
 
+from rewards.errors import UserError
 
-class TrainingStalledError(RuntimeError):
+
+class TrainingStalledError(UserError, RuntimeError):
     """Too many iterations in a row applied no update."""
 
 

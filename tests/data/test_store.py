@@ -17,7 +17,7 @@ import pytest
 from diffrl.data import registry
 from diffrl.data import store as F
 from diffrl.data.cli import main as data_cli
-from diffrl.training.data import PromptFileError, load_prompts
+from diffrl.data.prompts import PromptFileError, load_prompts
 
 # tiny files in each set's real format (the layout of the real files, not their content)
 GENEVAL_LINES = [

@@ -13,10 +13,10 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from diffrl.config import load_config
+from diffrl.data.prompts import PromptFileError
 from diffrl.evaluation.compare import CompareError, Tile
 from diffrl.evaluation.compare_report import GAP, GROUP_GAP, LABEL_H, grid_pages
 from diffrl.models import build_adapter
-from diffrl.training.data import PromptFileError
 from diffrl.training.policy import Policy
 from tests.helpers import load_script
 

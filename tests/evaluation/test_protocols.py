@@ -217,7 +217,7 @@ def _velocity(adapter, model):
 
 def test_a_peft_lora_scores_as_peft_itself_loads_it(tmp_path):
     from diffrl.config import load_config
-    from diffrl.evaluation.outside_lora import load_outside_lora
+    from diffrl.models.lora_files import load_outside_lora
     from diffrl.training.policy import Policy
 
     adapter, peft_model = _toy_peft_lora(tmp_path, rank=4, alpha=8.0)
@@ -233,7 +233,7 @@ def test_a_diffusers_lora_file_scores_as_the_same_weights_in_peft(tmp_path):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from diffrl.evaluation.outside_lora import load_outside_lora
+    from diffrl.models.lora_files import load_outside_lora
 
     adapter, peft_model = _toy_peft_lora(tmp_path, rank=4, alpha=4.0)  # no alpha in this format: 1x
     expected = _velocity(adapter, peft_model)
@@ -247,7 +247,7 @@ def test_a_diffusers_lora_file_scores_as_the_same_weights_in_peft(tmp_path):
 
 def test_a_hub_lora_that_cannot_be_fetched_is_one_line(monkeypatch):
     from diffrl.config import ConfigError
-    from diffrl.evaluation.outside_lora import local_path
+    from diffrl.models.lora_files import local_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="hf download jieliu/SD3.5M-FlowGRPO-GenEval --local-dir DIR"):
@@ -313,7 +313,7 @@ class FakeHub:
 def test_a_hub_lora_id_is_fetched_and_scores_as_the_same_folder(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from diffrl.evaluation.outside_lora import load_outside_lora
+    from diffrl.models.lora_files import load_outside_lora
 
     adapter, peft_model = _toy_peft_lora(tmp_path, rank=4, alpha=8.0)
     expected = _velocity(adapter, peft_model)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffrl.training.data import PromptFileError
+from diffrl.data.prompts import PromptFileError
 from rewards.prompts import EditPrompt
 from tests.models.lora import add_random_lora, lora_state
 from tests.models.test_adapters import make, noise

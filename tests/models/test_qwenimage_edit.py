@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
+from diffrl.data.prompts import PromptFileError
 from diffrl.models import adapter_class, build_adapter
-from diffrl.training.data import PromptFileError
 from rewards.prompts import EditPrompt
 from tests.models.lora import add_random_lora, lora_state
 from tests.models.test_adapters import make_cfg, noise
@@ -120,7 +120,7 @@ def test_template_prefix_the_pipeline_drops_is_exactly_the_system_prompt(twin):
     """The pipeline drops the first ``prompt_template_encode_start_idx`` (64) hidden states:
     with the tiny vocabulary they must be the edit template's system prefix, so that the
     conditioning starts at <|vision_start|>, as with Qwen2's vocabulary."""
-    from diffrl.training.data import PROJECT_ROOT, load_prompts
+    from diffrl.data.prompts import PROJECT_ROOT, load_prompts
 
     pipe, tok = twin.pipe, twin.pipe.tokenizer
     template, drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx

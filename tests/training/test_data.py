@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from diffrl.training.data import PromptFileError, load_prompts, plan_step
+from diffrl.data.prompts import PromptFileError, load_prompts
+from diffrl.training.data import plan_step
 
 
 def test_txt_and_jsonl(tmp_path):
@@ -54,7 +55,7 @@ def test_plan_is_deterministic_grouped_and_shards():
 
 def test_shipped_prompt_paths_work_from_any_directory(tmp_path, monkeypatch):
     from diffrl.cli import main
-    from diffrl.training.data import PROJECT_ROOT, load_prompts
+    from diffrl.data.prompts import PROJECT_ROOT, load_prompts
 
     here = load_prompts("assets/shapeworld/train.txt")
     monkeypatch.chdir(tmp_path)
@@ -77,7 +78,7 @@ def test_the_installed_entry_points_run_the_cli():
         timeout=300,
     )
     assert out.returncode == 0 and "run plan:" in out.stdout, out.stderr
-    from diffrl.training.data import PROJECT_ROOT
+    from diffrl.data.prompts import PROJECT_ROOT
 
     # the console script the package installs points at the same function
     assert 'diffrl-train = "diffrl.train:entry"' in (PROJECT_ROOT / "pyproject.toml").read_text()
@@ -133,17 +134,17 @@ def test_bad_image_columns_are_named(tmp_path, lines, match):
 
 
 def test_editing_families_need_images_and_the_others_refuse_them(tmp_path):
-    from diffrl.training.data import check_image_column
+    from diffrl.data.prompts import check_image_column
 
     edits = load_prompts(_edit_file(tmp_path, '{"prompt": "x", "image": "in/a.png"}\n'))
-    check_image_column(edits, "e.jsonl", "flux_kontext")
-    check_image_column(["a cat"], "p.txt", "flux")
+    check_image_column(edits, "e.jsonl", "flux_kontext", edits_images=True)
+    check_image_column(["a cat"], "p.txt", "flux", edits_images=False)
     with pytest.raises(
         PromptFileError, match="'flux_kontext' edits images, but prompt file 'p.txt' has no 'image'"
     ):
-        check_image_column(["a cat"], "p.txt", "flux_kontext")
+        check_image_column(["a cat"], "p.txt", "flux_kontext", edits_images=True)
     with pytest.raises(PromptFileError, match="'flux' generates from text only and would ignore them"):
-        check_image_column(edits, "e.jsonl", "flux")
+        check_image_column(edits, "e.jsonl", "flux", edits_images=False)
 
 
 def test_unreadable_input_image_is_one_clear_error(tmp_path):

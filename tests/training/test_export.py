@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
+from diffrl.data.prompts import load_prompts
 from diffrl.models import build_adapter
 from diffrl.sampling.rollout import rollout_independent
 from diffrl.sampling.settings import SamplerSettings
-from diffrl.training.data import load_prompts
 from diffrl.training.trainer import Trainer
 from tests.helpers import load_script, quick_config
 

@@ -72,7 +72,7 @@ def test_unknown_reward_name_fails_before_model_build(tiny_cfg):
 
 
 def test_missing_prompt_file_is_clear(tiny_cfg):
-    from diffrl.training.data import PromptFileError
+    from diffrl.data.prompts import PromptFileError
 
     with pytest.raises(PromptFileError, match="nope.txt' does not exist"):
         Trainer(tiny_cfg("flux", "data.train_prompts=nope.txt"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffrl.training.data import load_prompts
+from diffrl.data.prompts import load_prompts
 from rewards import build
 from rewards.prompts import EditPrompt
 from rewards.shapeworld import grammar

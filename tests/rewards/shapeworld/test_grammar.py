@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from diffrl.training.data import load_prompts
+from diffrl.data.prompts import load_prompts
 from rewards.shapeworld import grammar
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets" / "shapeworld"

@@ -67,7 +67,7 @@ def test_grammar_split_and_errors():
 
 
 def test_shipped_prompt_files_are_the_split():
-    from diffrl.training.data import PROJECT_ROOT, load_prompts
+    from diffrl.data.prompts import PROJECT_ROOT, load_prompts
 
     train, held = video_split()
     assert load_prompts(PROJECT_ROOT / "assets/shapeworld/video/train.txt") == train

@@ -1,0 +1,190 @@
+"""Reading prompts: one parser for every file format and prompt set, used by training,
+evaluation and the papers' protocols alike.
+
+A prompt source is a file or a named prompt set (docs/DATA.md: ``geneval/eval``,
+``pickscore/train``..., fetched by ``diffrl-data fetch NAME``; a set of several files is
+read in order). Each prompt comes back as a :class:`PromptRecord`: its text, its input
+image (editing runs), its group (GenEval's task tag, DrawBench's category, the HPDv2
+benchmark's style) and the raw metadata of its line. File formats:
+
+* ``.txt``: one prompt per line, blank lines and ``#`` comments skipped;
+* ``.jsonl``: one object per line with a string ``prompt`` field and, for editing runs,
+  an optional string ``image`` field (the input image's path, relative to the prompt
+  file's folder unless absolute); GenEval's metadata lines load as they are, their
+  ``tag`` is the group;
+* ``.csv``: a ``Prompts`` or ``prompt`` column (DrawBench), ``Category`` the group;
+* ``.json``: a list of strings (the HPDv2 benchmark), the file's name the group.
+
+A relative path is looked up from the working directory, then from the project root.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rewards.errors import UserError
+from rewards.prompts import EditPrompt
+
+# the checkout's root: shipped configs name their prompt files relative to it
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class PromptFileError(UserError, ValueError):
+    """A prompt file is missing, empty or malformed; the message names file and line."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt as its source gives it."""
+
+    text: str
+    image: Path | None = None  # an editing prompt's input image
+    group: str | None = None  # task tag, category or style; None where the format has none
+    metadata: dict = field(default_factory=dict)  # the line's own fields (a .jsonl object, a .csv row)
+
+    @property
+    def prompt(self) -> str:
+        """What models and rewards take: the text, or an :class:`EditPrompt` carrying the image."""
+        return self.text if self.image is None else EditPrompt(self.text, self.image)
+
+
+def resolve_prompt_path(path: str | Path) -> Path:
+    """A relative prompt path as given if it exists from the working directory, else
+    relative to the project root (so ``assets/shapeworld/train.txt`` in a shipped config
+    works from any directory). Absolute paths are taken as they are."""
+    path = Path(path).expanduser()
+    if path.is_absolute() or path.is_file():
+        return path
+    shipped = PROJECT_ROOT / path
+    return shipped if shipped.is_file() else path
+
+
+def read_prompts(source: str | Path) -> list[PromptRecord]:
+    """Every prompt of a file or a named prompt set, in order (see the module docstring). A
+    file mixing lines with and without an input image is refused."""
+    from diffrl.data.registry import is_set_name
+    from diffrl.data.store import local_files
+
+    if is_set_name(str(source)) and not resolve_prompt_path(source).is_file():
+        return [r for file in local_files(str(source)) for r in _read_file(file, file)]
+    return _read_file(source, resolve_prompt_path(source))
+
+
+def load_prompts(source: str | Path) -> list[str]:
+    """The prompts of :func:`read_prompts` as models and rewards take them (text, or an
+    :class:`~rewards.prompts.EditPrompt` where the line gives an input image)."""
+    return [r.prompt for r in read_prompts(source)]
+
+
+def _read_file(given, path: Path) -> list[PromptRecord]:
+    if not path.is_file():
+        raise PromptFileError(
+            f"prompt file '{given}' does not exist (looked in {Path.cwd()} and {PROJECT_ROOT}); "
+            "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file, "
+            "or to a prompt set name (diffrl-data list)"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise PromptFileError(
+            f"prompt file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from None
+    if path.suffix == ".csv":
+        records = _csv_records(path, text)
+    elif path.suffix == ".json":
+        records = _json_records(path, text)
+    else:
+        records = _line_records(path, text)
+    if not records:
+        raise PromptFileError(f"prompt file '{path}' has no prompts")
+    with_image = sum(r.image is not None for r in records)
+    if 0 < with_image < len(records):
+        raise PromptFileError(
+            f"prompt file '{path}': {with_image} of {len(records)} prompts have an 'image' and the "
+            "rest do not; an editing run needs an image on every line, a text-to-image run on none"
+        )
+    return records
+
+
+def _line_records(path: Path, text: str) -> list[PromptRecord]:
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        records.append(_jsonl_record(path, lineno, line) if path.suffix == ".jsonl" else PromptRecord(line))
+    return records
+
+
+def _csv_records(path: Path, text: str) -> list[PromptRecord]:
+    reader = csv.DictReader(io.StringIO(text))
+    column = next(
+        (c for c in ("Prompts", "prompt", "Prompt", "prompts") if c in (reader.fieldnames or [])), None
+    )
+    if column is None:
+        raise PromptFileError(
+            f"prompt file '{path}': a .csv needs a 'Prompts' or 'prompt' column, found {reader.fieldnames}"
+        )
+    return [
+        PromptRecord(row[column].strip(), group=row.get("Category"), metadata=dict(row))
+        for row in reader
+        if (row.get(column) or "").strip()
+    ]
+
+
+def _json_records(path: Path, text: str) -> list[PromptRecord]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PromptFileError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+        raise PromptFileError(f"prompt file '{path}': a .json prompt file is a list of strings")
+    return [PromptRecord(p.strip(), group=path.stem) for p in data if p.strip()]
+
+
+def _jsonl_record(path: Path, lineno: int, line: str) -> PromptRecord:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise PromptFileError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+        raise PromptFileError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
+    tag = obj.get("tag")
+    group = tag if isinstance(tag, str) else None
+    image = obj.get("image")
+    if image is None:
+        return PromptRecord(obj["prompt"], group=group, metadata=obj)
+    if not isinstance(image, str) or not image:
+        raise PromptFileError(f"{path}:{lineno}: 'image' must be a file path string, got {image!r}")
+    image_path = Path(image).expanduser()
+    image_path = image_path if image_path.is_absolute() else path.parent / image_path
+    if not image_path.is_file():
+        raise PromptFileError(
+            f"{path}:{lineno}: input image '{image}' does not exist (looked for {image_path}); "
+            "image paths are relative to the prompt file's folder"
+        )
+    return PromptRecord(obj["prompt"], image_path.resolve(), group, obj)
+
+
+def check_image_column(prompts: list[str], path, family: str, edits_images: bool) -> None:
+    """An editing family (``edits_images``, its adapter's ``FlowAdapter.edits_images``)
+    needs an input image on every prompt, and a text-to-image family would silently ignore
+    them: refuse both, naming ``family`` and the file ``path``."""
+    if not prompts:  # no evaluation
+        return
+    with_image = isinstance(prompts[0], EditPrompt)
+    if edits_images and not with_image:
+        raise PromptFileError(
+            f"model family '{family}' edits images, but prompt file '{path}' has no 'image' column; "
+            'use a .jsonl file with lines like {"prompt": "make the red circle blue", "image": "in/0.png"}'
+        )
+    if with_image and not edits_images:
+        raise PromptFileError(
+            f"prompt file '{path}' gives input images, but model family '{family}' generates from text "
+            "only and would ignore them; use an editing family (flux_kontext, qwenimage_edit) or a "
+            "file without 'image'"
+        )
