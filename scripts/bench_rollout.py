@@ -65,7 +65,7 @@ def parse_schedules(text: str) -> list[tuple[list[int], list[int]]]:
 def check_modes(text: str) -> list[str]:
     """``--modes`` entries, each ``policy`` or ``precision[:backend]`` with known names."""
     from diffrl.config import ConfigError
-    from diffrl.quant.backends import BACKENDS, PRECISIONS
+    from diffrl.precision.backends import BACKENDS, PRECISIONS
 
     modes = text.split(",")
     precisions = ("auto", *PRECISIONS)  # auto: what this hardware runs fastest

@@ -290,7 +290,7 @@ def _same_up_to_zero_sign(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("name", [n for n, c in MODELOPT.items() if c["format"] == "nvfp4"])
 def test_nvfp4_matches_modelopts_nvfp4qtensor(name):
-    from diffrl.quant.formats import fake_nvfp4, nvfp4_scales
+    from diffrl.precision.formats import fake_nvfp4, nvfp4_scales
 
     case = MODELOPT[name]
     x = tensor(case["input_hex"]).float()
@@ -305,7 +305,7 @@ def test_nvfp4_matches_modelopts_nvfp4qtensor(name):
 
 
 def test_fp8_exact_tie_rounds_to_even_like_modelopts_fake_quantizer():
-    from diffrl.quant.formats import fake_fp8
+    from diffrl.precision.formats import fake_fp8
 
     case = MODELOPT["fp8_tie"]
     x = tensor(case["input_hex"]).float()

@@ -18,11 +18,24 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
 from diffrl.models.loading import PackedLatentAdapter, finalize_pipeline, module_dtype, unwrap
-from diffrl.quant import keep_high as keep_high_patterns
+from diffrl.models.sd3 import DOUBLE_BLOCK_MODULATION
 
 # Real FLUX.1 VAE latent normalisation (diffusers AutoencoderKL config of FLUX.1-dev).
 _FLUX_VAE_SCALING = 0.3611
 _FLUX_VAE_SHIFT = 0.1159
+
+
+# The layers the low-precision exploration copy and the FP8 flow keep in high precision
+# (anchored regexes; why these: diffrl/precision/keep_high.py).
+KEEP_HIGH = (
+    r"x_embedder",
+    r"context_embedder",
+    r"time_text_embed\..+",  # timestep, guidance and pooled-text embedders
+    DOUBLE_BLOCK_MODULATION,
+    r"single_transformer_blocks\.\d+\.norm\.linear",  # AdaLayerNormZeroSingle
+    r"norm_out\.linear",
+    r"proj_out",  # top level only: single_transformer_blocks.N.proj_out is quantized
+)
 
 
 class FluxAdapter(PackedLatentAdapter):
@@ -32,7 +45,7 @@ class FluxAdapter(PackedLatentAdapter):
     pipeline_class = FluxPipeline
     # 16-channel VAE latents at 1/8 (packed 2x2 into 64 channels at 1/16: the same count)
     cfg_as_batch = False  # guidance is an embedding of the distilled transformer
-    keep_high = keep_high_patterns.FLUX
+    keep_high = KEEP_HIGH
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     # flow_grpo / diffusers train_dreambooth_lora_flux.py: attention (image and context
     # streams) and both feed-forwards of the double-stream blocks; "attn.to_q/k/v" also

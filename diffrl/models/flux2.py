@@ -50,7 +50,6 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu,
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
 from diffrl.models.loading import PackedLatentAdapter, finalize_pipeline, module_dtype, unwrap
-from diffrl.quant import keep_high as keep_high_patterns
 
 # Qwen3's chat template, reduced to what Flux2KleinPipeline renders (one user message,
 # ``add_generation_prompt=True, enable_thinking=False``): the real template gives
@@ -104,6 +103,23 @@ def _tiny_flux2_vae():
     )
 
 
+# The layers the low-precision exploration copy and the FP8 flow keep in high precision
+# (anchored regexes; why these: diffrl/precision/keep_high.py).
+# FLUX.2 (Flux2Transformer2DModel, the klein models): its adaLN modulation is not per
+# block but three linears shared by all blocks (each one's output scales every token
+# of every block), and its single blocks fuse attention and MLP into
+# ``attn.to_qkv_mlp_proj`` / ``attn.to_out``, which are quantized like FLUX.1's
+# ``proj_mlp`` / ``proj_out``.
+KEEP_HIGH = (
+    r"x_embedder",
+    r"context_embedder",
+    r"time_guidance_embed\..+",  # timestep (and, with guidance_embeds, guidance) embedders
+    r"(double_stream_modulation_(img|txt)|single_stream_modulation)\.linear",
+    r"norm_out\.linear",
+    r"proj_out",  # top level only: single_transformer_blocks.N.attn.to_out is quantized
+)
+
+
 class Flux2Adapter(PackedLatentAdapter):
     """FLUX.2 [klein]: Qwen3 hidden states, patchified + batch-normed packed latents, CFG on
     the base models only."""
@@ -115,7 +131,7 @@ class Flux2Adapter(PackedLatentAdapter):
     # CFG runs a negative batch when guidance_scale > 1 on a base model; a distilled model
     # ignores guidance_scale (the adapter does too), so configure those with guidance_scale 1.
     cfg_as_batch = True
-    keep_high = keep_high_patterns.FLUX2
+    keep_high = KEEP_HIGH
     cond_keys = ("prompt_embeds",)
     # Attention of both streams and both SwiGLU feed-forwards of the double-stream blocks,
     # and the fused QKV+MLP input of the single-stream blocks (DiffSynth-Studio's FLUX.2

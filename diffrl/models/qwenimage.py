@@ -51,7 +51,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
 from diffrl.models.loading import PackedLatentAdapter, finalize_pipeline, module_dtype
-from diffrl.quant import keep_high as keep_high_patterns
 
 # scheduler/scheduler_config.json of Qwen/Qwen-Image (diffusers layout)
 QWEN_IMAGE_SCHEDULER = dict(
@@ -125,13 +124,26 @@ def _pad_to(embeds: torch.Tensor, mask: torch.Tensor | None, length: int):
     return embeds, mask
 
 
+# The layers the low-precision exploration copy and the FP8 flow keep in high precision
+# (anchored regexes; why these: diffrl/precision/keep_high.py).
+# Qwen-Image (QwenImageTransformer2DModel: text-to-image and edit pipelines alike)
+KEEP_HIGH = (
+    r"img_in",  # latent (packed 2x2 patch) embedder
+    r"txt_in",  # Qwen2.5-VL hidden states into the text stream
+    r"time_text_embed\..+",  # timestep embedder (linear_1, linear_2)
+    r"transformer_blocks\.\d+\.(img|txt)_mod\.1",  # adaLN modulation of both streams
+    r"norm_out\.linear",
+    r"proj_out",
+)
+
+
 class QwenImageAdapter(PackedLatentAdapter):
     """Qwen-Image: Qwen2.5-VL embeddings + mask, packed latents, true CFG with a norm rescale."""
 
     family = "qwenimage"
     pipeline_class = QwenImagePipeline
     # 16-channel VAE latents at 1/8 (packed 2x2 into 64 channels at 1/16: the same count)
-    keep_high = keep_high_patterns.QWENIMAGE
+    keep_high = KEEP_HIGH
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
     masks_text_tokens = True  # embeddings padded to max_sequence_length, with their mask
     # flow_grpo's Qwen-Image scripts (as diffusers' _tp_plan lists them): attention of

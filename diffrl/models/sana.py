@@ -28,7 +28,6 @@ from diffrl.models.loading import (
     scheduler_sigmas,
     unwrap,
 )
-from diffrl.quant import keep_high as keep_high_patterns
 
 
 def _tiny_gemma2(tok):
@@ -74,13 +73,23 @@ def _tiny_dc_ae():
     )
 
 
+# The layers the low-precision exploration copy and the FP8 flow keep in high precision
+# (anchored regexes; why these: diffrl/precision/keep_high.py).
+KEEP_HIGH = (
+    r"patch_embed\.proj",  # a 1x1 conv when patch_size is 1: quantizable, so listed
+    r"time_embed\..+",  # AdaLayerNormSingle: timestep embedder + the shared adaLN-single linear
+    r"caption_projection\..+",
+    r"proj_out",
+)
+
+
 class SanaAdapter(PipelineAdapter):
     """SANA: Gemma-2 embeddings + mask, AutoencoderDC latents, CFG with empty-prompt negatives."""
 
     family = "sana"
     pipeline_class = SanaPipeline
     latent_channels, spatial_downsample = 32, 32  # DC-AE
-    keep_high = keep_high_patterns.SANA
+    keep_high = KEEP_HIGH
     cond_keys = ("prompt_embeds", "prompt_attention_mask")
     # Self (linear) and cross attention projections, plus the 1x1 convolutions of the
     # GLUMBConv feed-forward (its small depthwise 3x3 conv stays frozen).

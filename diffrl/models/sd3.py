@@ -15,11 +15,26 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffrl.models import tiny
 from diffrl.models.base import Conditioning
 from diffrl.models.loading import PipelineAdapter, finalize_pipeline, module_dtype
-from diffrl.quant import keep_high as keep_high_patterns
 
 # Real SD3/SD3.5 VAE latent normalisation.
 _SD3_VAE_SCALING = 1.5305
 _SD3_VAE_SHIFT = 0.0609
+
+
+# The layers the low-precision exploration copy and the FP8 flow keep in high precision
+# (anchored regexes; why these: diffrl/precision/keep_high.py).
+# adaLN-Zero modulation of a double-stream block (SD3.5's AdaLayerNormZeroX and the
+# last block's AdaLayerNormContinuous context norm also name their linear ``.linear``)
+DOUBLE_BLOCK_MODULATION = r"transformer_blocks\.\d+\.norm1(_context)?\.linear"
+
+KEEP_HIGH = (
+    r"pos_embed\.proj",  # patch embedding conv (2x2; never quantized, listed for intent)
+    r"context_embedder",
+    r"time_text_embed\..+",  # timestep and pooled-text embedders
+    DOUBLE_BLOCK_MODULATION,
+    r"norm_out\.linear",
+    r"proj_out",
+)  # also the toy model's: it is an SD3Transformer2DModel
 
 
 class SD3Adapter(PipelineAdapter):
@@ -27,7 +42,7 @@ class SD3Adapter(PipelineAdapter):
 
     family = "sd3"
     pipeline_class = StableDiffusion3Pipeline
-    keep_high = keep_high_patterns.SD3  # 16-channel VAE latents at 1/8
+    keep_high = KEEP_HIGH  # 16-channel VAE latents at 1/8
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     # flow_grpo train_sd3.py / diffusers train_dreambooth_lora_sd3.py: joint attention,
     # image stream (to_*) and context stream (add_*_proj, to_add_out).

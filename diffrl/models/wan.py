@@ -26,7 +26,14 @@ from diffrl.models.loading import (
     module_dtype,
     scheduler_sigmas,
 )
-from diffrl.quant import keep_high as keep_high_patterns
+
+# The layers the low-precision exploration copy and the FP8 flow keep in high precision
+# (anchored regexes; why these: diffrl/precision/keep_high.py).
+KEEP_HIGH = (
+    r"patch_embedding",  # Conv3d (never quantized, listed for intent)
+    r"condition_embedder\..+",  # time / text (/ image) embedders and time_proj, the adaLN modulation
+    r"proj_out",
+)
 
 
 class WanAdapter(PipelineAdapter):
@@ -36,7 +43,7 @@ class WanAdapter(PipelineAdapter):
     pipeline_class = WanPipeline
     weight_components = ("transformer",)  # optional to WanPipeline, read here (the preflight's list)
     temporal_downsample = 4  # causal 3D VAE: F_lat = (F - 1) // 4 + 1, 16 channels at 1/8
-    keep_high = keep_high_patterns.WAN
+    keep_high = KEEP_HIGH
     cond_keys = ("prompt_embeds",)
     # diffusers/finetrainers Wan LoRA and flow_grpo train_wan2_1.py: self- and
     # cross-attention projections plus the feed-forward.

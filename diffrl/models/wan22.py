@@ -28,8 +28,14 @@ from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DMode
 
 from diffrl.models import tiny
 from diffrl.models.loading import finalize_pipeline, module_dtype
+from diffrl.models.wan import KEEP_HIGH as WAN_KEEP_HIGH
 from diffrl.models.wan import WanAdapter
-from diffrl.quant import keep_high as keep_high_patterns
+
+# The layers the low-precision exploration copy and the FP8 flow keep in high precision
+# (anchored regexes; why these: diffrl/precision/keep_high.py).
+# Wan2.2 A14B: the same layers in each of its two experts (``high.`` and ``low.``, the
+# submodules of ``diffrl.models.wan22.TwoExperts``)
+KEEP_HIGH = tuple(rf"(high|low)\.{pattern}" for pattern in WAN_KEEP_HIGH)
 
 
 class TwoExperts(torch.nn.Module):
@@ -157,7 +163,7 @@ class Wan22Adapter(WanAdapter):
 
     family = "wan22"
     weight_components = ("transformer", "transformer_2")  # the two experts
-    keep_high = keep_high_patterns.WAN22
+    keep_high = KEEP_HIGH
     # the Wan 2.1 targets, inside either expert (peft matches name suffixes)
     default_lora_targets = WanAdapter.default_lora_targets
 

@@ -127,7 +127,7 @@ def exploration_precision(
 
     Like for like: every raced model is built eager (torchao's copy too) and, with
     ``compile``, every one is compiled the same way, block by block
-    (:class:`diffrl.perf.regional.RegionalCompile`, ``fullgraph``), so a ratio never
+    (:class:`diffrl.runtime.regional.RegionalCompile`, ``fullgraph``), so a ratio never
     includes compile gains on one side only. Each model's first call (its compilation,
     and one run) happens before the timed rounds and is reported as ``first_call_s``.
     Every call runs under ``autocast`` when given (training's ``train.mixed_precision``).
@@ -187,16 +187,16 @@ def _first_call(adapter, model, batch: int, autocast) -> dict:
 
 def _exploration_model(adapter, mode: str, log, compile: bool = False):
     """The model a mode explores with: eager, then compiled by block when asked (all alike)."""
-    from diffrl.quant.backends import compile_by_block
+    from diffrl.precision.backends import compile_by_block
 
     if mode == "policy":
         model = adapter.transformer
         if compile:  # the policy itself is compiled in place: keep a handle on its eager blocks
-            from diffrl.perf.regional import RegionalCompile
+            from diffrl.runtime.regional import RegionalCompile
 
             return RegionalCompile(model, inference_only=True, log=None, fullgraph=True)
         return model
-    from diffrl.quant.backends import build_exploration_copy
+    from diffrl.precision.backends import build_exploration_copy
 
     precision, _, backend = mode.partition(":")
     model = build_exploration_copy(
@@ -262,12 +262,12 @@ def training_step_precision(
     compile: bool = False,
 ) -> dict:
     """The training step (:func:`~diffrl.perf.flops.train_step_fn`) in the model's precision
-    and through Jet-RL's unified FP8 flow (:mod:`diffrl.quant.fp8_flow`), on the same model,
+    and through Jet-RL's unified FP8 flow (:mod:`diffrl.precision.fp8_flow`), on the same model,
     raced side by side: both eager, or both with the blocks compiled in place (one graph
     per block and phase). First calls, compilation included, are timed outside the race.
     The transformer stays patched afterwards (outside a phase its layers run as before)."""
-    from diffrl.perf.regional import RegionalCompile
-    from diffrl.quant.fp8_flow import Fp8Flow, choose_flow_backend
+    from diffrl.precision.fp8_flow import Fp8Flow, choose_flow_backend
+    from diffrl.runtime.regional import RegionalCompile
 
     backend = choose_flow_backend(backend)
     flow = Fp8Flow(adapter.transformer, True, True, scaling, backend, adapter.keep_high)

@@ -94,7 +94,7 @@ def fp8_training_bytes(cfg, transformer: torch.nn.Module, lora: bool) -> float:
     p = cfg.precision
     if p.train != "fp8":
         return 0.0
-    from diffrl.quant.fp8_flow import flow_keep_high, quantized_layers
+    from diffrl.precision.fp8_flow import flow_keep_high, quantized_layers
 
     quantized, _ = quantized_layers(transformer, flow_keep_high(p, cfg.model.family))
     backend = "reference" if p.backend == "reference" else "torchao"
@@ -309,7 +309,7 @@ def estimate_built(
 
 def _built_exploration_bytes(cfg, adapter) -> dict[str, float]:
     """Bytes per weight of the exploration copy the backend chosen on this device keeps."""
-    from diffrl.quant.backends import choose_backend, choose_precision
+    from diffrl.precision.backends import choose_backend, choose_precision
 
     element = next(adapter.transformer.parameters()).element_size()
     if not cfg.solrl.enabled:

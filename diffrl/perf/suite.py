@@ -68,7 +68,7 @@ def row(step: str, measure: str, value, target: str = "-", ok: bool | None = Non
 def quant_stack(cpu: bool) -> list[dict]:
     """Which quantization libraries import, what ``auto`` picks, and whether each real
     backend that runs here reproduces the reference quantizer's copy."""
-    from diffrl.quant.backends import choose_backend, detect_hardware
+    from diffrl.precision.backends import choose_backend, detect_hardware
 
     hw = detect_hardware(probe_imports=True)
     rows = [
@@ -101,7 +101,7 @@ def _copy_vs_reference(precision: str, backend: str, device: torch.device) -> li
     scales may be taken over other groups, so the noise differs but its size should not)."""
     from diffrl.config import load_config
     from diffrl.models import build_adapter
-    from diffrl.quant.backends import build_exploration_copy
+    from diffrl.precision.backends import build_exploration_copy
     from diffrl.training.policy import Policy
 
     cfg = load_config("tiny_flux_flowgrpo")

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import diffrl
 from diffrl.config import save_config
-from diffrl.training.sharding import is_sharded
+from diffrl.runtime.sharding import is_sharded
 from rewards.errors import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -63,24 +62,3 @@ class MetricsLogger:
         trackable = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         self.accelerator.log(trackable, step=step)
         return row
-
-
-class StageClock:
-    """Wall time of named stages and, on CUDA, each stage's peak allocated memory:
-    ``time/<stage>`` and ``memory/<stage>_peak_gib``."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.metrics: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.time()
-        yield
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.metrics[f"memory/{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        self.metrics[f"time/{name}"] = time.time() - t0

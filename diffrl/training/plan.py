@@ -60,7 +60,7 @@ def _solrl_numbers(cfg, num_processes: int) -> dict[str, float]:
     (every selected leaf on its own branch wherever the tree allows).
 
     The pool keeps its decoded images until they are scored, and a tree pool its node
-    layout (four int64 per node); no per-step latent or mean (:mod:`diffrl.algorithms.solrl`).
+    layout (four int64 per node); no per-step latent or mean (:mod:`diffrl.precision.solrl`).
     Those images are freed before the regeneration: a rollout-time buffer, never alive
     with the update's activations."""
     from diffrl.sampling.tree import TreeSpec

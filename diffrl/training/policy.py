@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from diffrl.runtime.sharding import gathered_to_cpu, is_sharded, like, reshard, whole
 from diffrl.sampling import rng
-from diffrl.training.sharding import gathered_to_cpu, is_sharded, like, reshard, whole
 
 # LoRA's initialisation: A ~ N(0, 1/r), B = 0 (peft's "gaussian"), as flow_grpo's
 # train_sd3.py and the other references start their LoRA
@@ -92,7 +92,7 @@ class Policy:
     def trainable_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor]:
         """Whole tensors on the CPU, gathered one at a time under FSDP (collective there:
         every process calls it; only the main one, which writes, keeps them unless
-        ``keep`` says otherwise). See :func:`~diffrl.training.sharding.gathered_to_cpu`."""
+        ``keep`` says otherwise). See :func:`~diffrl.runtime.sharding.gathered_to_cpu`."""
         return gathered_to_cpu(self.trainable_named_parameters(), keep)
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -17,26 +17,26 @@ from accelerate.utils import DistributedType, pad_across_processes
 from tqdm.auto import tqdm
 
 from diffrl.algorithms import compute_advantages, get_objective
-from diffrl.algorithms.solrl import SolRLSettings, SolRLStage
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
 from diffrl.data.prompts import check_image_column, load_prompts
 from diffrl.evaluation.scoring import EvalSettings, evaluate, spaced_subset
 from diffrl.evaluation.summary import before_after
 from diffrl.models import adapter_class, build_adapter
-from diffrl.perf.runtime import apply_attention_backend, compiled
-from diffrl.quant.fp8_flow import build_precision_flow
+from diffrl.precision.plan import PrecisionPlan
+from diffrl.runtime.attention import apply_attention_backend
+from diffrl.runtime.clock import StageClock
+from diffrl.runtime.compile import compiled
+from diffrl.runtime.sharding import max_over_processes, reshard, shard_frozen_copy
 from diffrl.sampling import SamplerSettings, get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
-from diffrl.training.data import plan_step
-from diffrl.training.metrics import MetricsLogger, StageClock
+from diffrl.training.metrics import MetricsLogger
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.policy import EMA, OldPolicy, Policy
-from diffrl.training.reward_overlap import overlap_hook
+from diffrl.training.rollouts import RolloutParts, rollout_stage
 from diffrl.training.setup import avoid_cudnn_attention, make_accelerator, make_lr_scheduler
-from diffrl.training.sharding import max_over_processes, reshard, shard_frozen_copy
 from diffrl.training.stages import Credit, Rollout
 from diffrl.training.tracking import init_trackers, log_evaluation_media
 from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
@@ -99,17 +99,18 @@ class Trainer:
             self.reward_fn.to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not fsdp)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
-        # FP8 rollouts / training (Jet-RL's flow) patch the policy's layers in place: before
-        # compilation, so that the compiled blocks trace the patched forwards
-        self.precision = build_precision_flow(
-            cfg.precision,
-            cfg.model.family,
+        # the FP8 flow patches the policy's layers in place (before compilation, so that the
+        # compiled blocks trace the patched forwards); Sol-RL's exploration copy is made from
+        # the whole, unsharded weights (before prepare)
+        self.precision = PrecisionPlan(cfg, log=self.acc.print)
+        self.precision.convert(
             self.adapter.transformer,
-            self.acc.print,
+            self.reward_fn,
             self.policy.frozen_reference,
+            align_forwards=(lambda counts: max_over_processes(self.acc, counts)) if fsdp else None,
+            device=self.acc.device if fsdp else None,  # the transformer is still in host memory
         )
-        # by block (the default scope), in place: before the Sol-RL copy is made, which a
-        # deep copy leaves uncompiled (diffrl.perf.regional)
+        # by block (the default scope), in place (diffrl.runtime.regional)
         self.rollout_model = compiled(self.adapter.transformer, cfg.perf, log=self.acc.print)
         opt = torch.optim.AdamW(
             self.policy.trainable_parameters(),
@@ -118,7 +119,6 @@ class Trainer:
             weight_decay=cfg.optim.weight_decay,
             eps=cfg.optim.eps,
         )
-        self.solrl = self._build_solrl(cfg)  # before prepare: from the whole, unsharded weights
         self.model, self.optimizer = self.acc.prepare(self.adapter.transformer, opt)
         if fsdp:
             if self.policy.frozen_reference is not None:  # full fine-tuning's KL reference
@@ -174,72 +174,27 @@ class Trainer:
             self.ema,
             self.old_policy,
         )
-        if self.solrl is not None:
-            self.updater.after_step.append(self.solrl.mark_stale)
-
-    def _build_solrl(self, cfg: Config) -> SolRLStage | None:
-        """Sol-RL's stage and its exploration copy. Under FSDP the copy stays whole on
-        every process (exploration runs no collectives) and the regeneration's sharded
-        forwards are aligned: every process runs as many as the busiest one."""
-        if not cfg.solrl.enabled:
-            return None
-        fsdp = self.acc.distributed_type == DistributedType.FSDP
-        return SolRLStage(
-            SolRLSettings.of(cfg),
-            self.adapter.transformer,
+        self.updater.after_step.append(self.precision.after_optimizer_step)
+        parts = RolloutParts(
+            self.acc,
+            self.adapter,
+            self.rollout_model,
+            self.model,
             self.reward_fn,
-            log=self.acc.print,
-            align_forwards=(lambda counts: max_over_processes(self.acc, counts)) if fsdp else None,
-            device=self.acc.device if fsdp else None,  # the transformer is still in host memory
+            self.train_prompts,
+            cfg.seed,
+            cfg.rollout.prompts_per_step,
+            cfg.rollout.group_size,
         )
+        # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
+        old = self.old_policy.swapped_in if self.samples_with_old_policy() else None
+        self.rollouts = rollout_stage(parts, self.precision, self.strategy, self.sampler_settings, old)
 
     # -- stages ---------------------------------------------------------------------------
     def rollout_and_score(self, step: int) -> Rollout:
-        """Rollouts of this process's share of the iteration, scored. Sol-RL returns the
-        regenerated BF16 subset; everything downstream sees only that."""
-        cfg = self.cfg
-        size = cfg.solrl.pool_size if self.solrl is not None else cfg.rollout.group_size
-        plan = plan_step(self.train_prompts, cfg.seed, step, cfg.rollout.prompts_per_step, size)
-        sl, local = plan.shard(self.acc.process_index, self.acc.num_processes)
-        cond = self.adapter.encode_prompts(local.prompts)
-        if self.solrl is not None:
-            out = self.solrl.run(
-                self.adapter,
-                self.adapter.transformer,
-                cond,
-                local.prompts,
-                local.keys,
-                step,
-                self.acc.autocast,
-                rollout_model=self.rollout_model,
-            )
-            reshard(self.model)  # FSDP: as after any rollout (see below)
-            groups = local.group_ids.reshape(-1, size)[:, : cfg.rollout.group_size].flatten()
-            return Rollout(
-                out.traj,
-                out.cond,
-                groups,
-                out.total,
-                out.components,
-                out.logs,
-                out.metrics,
-                out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"],
-            )
-        clock = StageClock(self.acc.device)
-        # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
-        weights = self.old_policy.swapped_in() if self.samples_with_old_policy() else contextlib.nullcontext()
-        overlap, pending = overlap_hook(self.reward_fn, self.strategy, local.prompts)  # remote rewards
-        args = (self.adapter, self.rollout_model, cond, local.keys, self.sampler_settings)
-        with clock.stage("rollout"), torch.no_grad(), self.acc.autocast(), weights, self.phase("rollout"):
-            traj = self.strategy(*args, iteration=step, **overlap)
-        reshard(self.model)  # FSDP: the update must gather the live weights, not the rollout's
-        with clock.stage("reward"):
-            total, comps, logs = self.reward_fn(traj.images, local.prompts, {"keys": local.keys}, pending)
-        return Rollout(traj, cond, local.group_ids, total, comps, logs, clock.metrics, traj.nfe)
-
-    def phase(self, name: str):
-        """``rollout`` or ``train``: the FP8 quantizer on where ``precision`` asks for it."""
-        return contextlib.nullcontext() if self.precision is None else self.precision.phase(name)
+        """Rollouts of this process's share of the iteration, scored (:mod:`diffrl.training.rollouts`:
+        Sol-RL returns the regenerated BF16 subset; everything downstream sees only that)."""
+        return self.rollouts(step)
 
     def samples_with_old_policy(self) -> bool:
         return self.old_policy is not None and self.cfg.objective.nft_sample_with == "old"
@@ -364,7 +319,7 @@ class Trainer:
             clock = StageClock(self.acc.device)
             with clock.stage("update"):
                 # every process runs the same passes, so the same statistics' keys
-                with self.phase("train"):
+                with self.precision.phase("train"):
                     update_metrics = self.updater.run(r.traj, r.cond, credit, step)
                 metrics.update(self.across_processes(update_metrics))
             metrics.update(self.across_processes(clock.metrics))

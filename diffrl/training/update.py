@@ -21,6 +21,7 @@ from accelerate.utils import DistributedType
 
 from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
+from diffrl.runtime.sharding import max_over_processes, mean_over_processes, reshard, whole
 from diffrl.sampling import rng
 from diffrl.training.passes import (
     Pass,
@@ -31,7 +32,6 @@ from diffrl.training.passes import (
     step_edge_counts,
     tree_anchor_counts,
 )
-from diffrl.training.sharding import max_over_processes, mean_over_processes, reshard, whole
 
 
 @dataclass(frozen=True)

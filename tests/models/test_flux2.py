@@ -19,7 +19,7 @@ import torch
 from diffrl.models import adapter_class, build_adapter
 from diffrl.models.arch import ARCH_DIR, load_arch
 from diffrl.models.base import Conditioning, FlowAdapter
-from diffrl.quant.keep_high import split_keep_high
+from diffrl.precision.keep_high import split_keep_high
 from tests.models.lora import add_random_lora, lora_state
 from tests.models.test_adapters import PROMPTS, make_cfg, noise
 

@@ -106,7 +106,7 @@ def test_precision_race_compiles_every_model_alike_and_restores_inductor(tiny_cf
 
     from diffrl.models import build_adapter
     from diffrl.perf import bench
-    from diffrl.quant import backends
+    from diffrl.precision import backends
 
     adapter = build_adapter(tiny_cfg("flux").model)
     compiled, built = [], []

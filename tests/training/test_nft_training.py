@@ -64,13 +64,13 @@ def test_nft_sample_with_old_rolls_out_with_the_old_policys_weights(tmp_path):
         for s in trainer.old_policy.shadow:
             s.add_(0.5)
     seen = []
-    strategy = trainer.strategy
+    strategy = trainer.rollouts.strategy
 
     def spy(*args, **kwargs):
         seen.append([p.detach().clone() for p in params])
         return strategy(*args, **kwargs)
 
-    trainer.strategy = spy
+    trainer.rollouts.strategy = spy
     live = [p.detach().clone() for p in params]
     trainer.rollout_and_score(0)
     assert all(torch.equal(a, s.to(a.dtype)) for a, s in zip(seen[0], trainer.old_policy.shadow))

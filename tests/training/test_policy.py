@@ -79,7 +79,7 @@ def test_bf16_full_finetune_without_autocast_is_refused(tiny_cfg):
 def test_trainable_state_dict_is_host_copies_kept_by_the_writer_only(tiny_cfg):
     """Checkpoint weights are gathered one tensor at a time into host memory, and only
     the process that writes keeps them (issue 37, defect 2)."""
-    from diffrl.training.sharding import gathered_to_cpu
+    from diffrl.runtime.sharding import gathered_to_cpu
 
     cfg = tiny_cfg("flux")
     policy = Policy(build_adapter(cfg.model), cfg.model, cfg.seed)
@@ -91,7 +91,7 @@ def test_trainable_state_dict_is_host_copies_kept_by_the_writer_only(tiny_cfg):
         assert t.data_ptr() != live[name].data_ptr()  # a copy, not a view of the live weights
     assert policy.trainable_state_dict(keep=False) == {}
     gathered = []
-    import diffrl.training.sharding as sharding
+    import diffrl.runtime.sharding as sharding
 
     original = sharding.whole
     try:

@@ -42,7 +42,7 @@ def test_full_finetune_trains_through_the_quantizer(tiny_cfg):
     """Full fine-tuning: fp32 master weights move, and the frozen reference is quantized
     as the policy is, so the KL starts at exactly 0."""
     trainer = Trainer(tiny_cfg("flux", "model.full_finetune=true", "optim.lr=1e-4", *UNIFIED))
-    assert trainer.precision is not None and trainer.precision.unified
+    assert trainer.precision.flow is not None and trainer.precision.flow.unified
     before = _params(trainer)
     history = trainer.fit()
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
@@ -52,7 +52,7 @@ def test_full_finetune_trains_through_the_quantizer(tiny_cfg):
 
 def test_lora_trains_through_the_quantizer(tiny_cfg):
     trainer = Trainer(tiny_cfg("sana", *UNIFIED))  # SANA: LoRA on 1x1 convs too
-    assert any("conv" in name for name in trainer.precision.quantized)
+    assert any("conv" in name for name in trainer.precision.flow.quantized)
     before = _params(trainer)
     trainer.fit()
     changed = [n for n, p in _params(trainer).items() if not torch.equal(before[n], p)]

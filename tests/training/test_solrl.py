@@ -6,9 +6,9 @@ runs (toy_solrl, tiny_flux_solrl with a reference NVFP4 pool, NFT) work and resu
 import pytest
 import torch
 
-from diffrl.algorithms.solrl import SolRLStage
 from diffrl.config import ConfigError, load_config
-from diffrl.quant.exploration import ExplorationCopy
+from diffrl.precision.exploration import ExplorationCopy
+from diffrl.precision.solrl import SolRLStage
 from diffrl.sampling.subtree import subtree_nodes
 from diffrl.training.data import plan_step
 from diffrl.training.trainer import Trainer
@@ -23,7 +23,7 @@ def _stage_run(trainer, step=0):
     cfg = trainer.cfg
     plan = plan_step(trainer.train_prompts, cfg.seed, step, cfg.rollout.prompts_per_step, cfg.solrl.pool_size)
     cond = trainer.adapter.encode_prompts(plan.prompts)
-    stage = trainer.solrl
+    stage = trainer.precision.solrl
     with torch.no_grad():
         model = stage.explorer(trainer.adapter.transformer)
         pool = stage.explore(trainer.adapter, model, cond, plan.keys, step, keep_steps=True)
@@ -95,7 +95,7 @@ def test_aligned_sub_tree_runs_the_common_forward_counts_and_the_same_numbers(tm
     _perturb(trainer)
     _, plain, _ = _stage_run(trainer)
     calls, asked = [], []
-    regenerate = trainer.solrl.regenerate
+    regenerate = trainer.precision.solrl.regenerate
 
     def counted_regenerate(*args, **kwargs):  # count the transformer's forwards in stage 2 only
         hook = trainer.adapter.transformer.register_forward_hook(lambda *_: calls.append(1))
@@ -104,8 +104,10 @@ def test_aligned_sub_tree_runs_the_common_forward_counts_and_the_same_numbers(tm
         finally:
             hook.remove()
 
-    trainer.solrl.regenerate = counted_regenerate
-    trainer.solrl.align_forwards = lambda counts: asked.append(list(counts)) or [c + 2 for c in counts]
+    trainer.precision.solrl.regenerate = counted_regenerate
+    trainer.precision.solrl.align_forwards = lambda counts: (
+        asked.append(list(counts)) or [c + 2 for c in counts]
+    )
     _, aligned, _ = _stage_run(trainer)
     sub = aligned.traj
     steps = sub.num_steps
@@ -149,7 +151,7 @@ def test_ode_pool_replays_only_the_initial_noise(tmp_path):
 
 def test_exploration_copy_is_resynced_after_optimizer_steps(tmp_path):
     trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path))
-    stage: SolRLStage = trainer.solrl
+    stage: SolRLStage = trainer.precision.solrl
     model = stage.explorer(trainer.adapter.transformer)
     assert stage.syncs == 1 and stage.explorer(trainer.adapter.transformer) is model and stage.syncs == 1
     trainer.fit()  # optimizer steps mark the copy stale
@@ -256,7 +258,7 @@ def test_rollouts_compiled_by_block_give_the_eager_run(tmp_path, monkeypatch):
         if compiled == "true":
             trainer.acc.print = lines.append  # what the rollout model's first call logs
             trainer.rollout_model._log = lines.append
-            trainer.solrl._log = lines.append
+            trainer.precision.solrl._log = lines.append
         runs[compiled] = trainer.fit()
     by_block = [line for line in lines if "compiled by block; first calls" in line]
     assert len(by_block) == 2  # the policy's rollouts and the exploration copy

@@ -116,7 +116,7 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
 
 
-# -- FP8 training casts (the unified precision flow, diffrl/quant/fp8_flow.py) -----------
+# -- FP8 training casts (the unified precision flow, diffrl/precision/fp8_flow.py) -----------
 # float8 dtype and its largest finite value; E5M2 is the gradients' format in torchao's
 # tensor-wise recipe (more range, one mantissa bit less)
 FP8_DTYPES = {"e4m3": (torch.float8_e4m3fn, E4M3_MAX), "e5m2": (torch.float8_e5m2, 57344.0)}

@@ -24,14 +24,14 @@ A switch says when the quantizer is on (:meth:`Fp8Flow.phase`):
 * evaluation is always in the model's precision (the quantizer is off).
 
 Two backends compute the same casts: ``reference`` (pure PyTorch, any device; the
-formats of :func:`~diffrl.quant.formats.fake_fp8_cast`) and ``torchao`` (its float8
+formats of :func:`~diffrl.precision.formats.fake_fp8_cast`) and ``torchao`` (its float8
 training GEMM ``matmul_with_hp_or_float8_args``, the function ``Float8Linear`` calls,
 real FP8 tensor-core GEMMs on Ada / Hopper). ``scaling`` is torchao's recipe name:
 
 * ``rowwise``: one scale per token (activation row) and per output row of the weight,
   powers of two, E4M3 throughout. A sample's numerics do not depend on its batch, so a
   replay in a different micro-batch is exact: the on-policy property holds to float
-  tolerance (tests/quant/test_fp8_flow.py).
+  tolerance (tests/precision/test_fp8_flow.py).
 * ``tensorwise``: one scale per tensor (E5M2 gradients). Faster, but an activation's
   scale is the whole batch's amax, so a rollout batch of 128 and a training micro-batch
   of 64 quantize the same sample differently: the ratio is no longer exactly 1.
@@ -44,9 +44,9 @@ import contextlib
 import torch
 from torch import nn
 
-from diffrl.quant.exploration import _is_lora_layer, is_pointwise_conv, is_quantizable, with_lora_deltas
-from diffrl.quant.formats import fake_fp8_cast, fp8_codes
-from diffrl.quant.keep_high import split_keep_high
+from diffrl.precision.exploration import _is_lora_layer, is_pointwise_conv, is_quantizable, with_lora_deltas
+from diffrl.precision.formats import fake_fp8_cast, fp8_codes
+from diffrl.precision.keep_high import split_keep_high
 
 SCALINGS = ("rowwise", "tensorwise")
 BACKENDS = ("reference", "torchao")
@@ -143,7 +143,7 @@ def quantized_layers(root: nn.Module, keep_high) -> tuple[list[str], list[str]]:
 
 def flow_keep_high(precision_cfg, family: str) -> tuple[str, ...]:
     """``precision.keep_high``, or the family's list (the layers Sol-RL's copy keeps high)."""
-    from diffrl.quant.keep_high import default_keep_high
+    from diffrl.precision.keep_high import default_keep_high
 
     return (
         tuple(precision_cfg.keep_high) if precision_cfg.keep_high is not None else default_keep_high(family)
@@ -230,7 +230,7 @@ def choose_flow_backend(requested: str, hw: dict | None = None) -> str:
     else the reference casts."""
     if requested != "auto":
         return requested
-    from diffrl.quant.backends import detect_hardware
+    from diffrl.precision.backends import detect_hardware
 
     hw = detect_hardware() if hw is None else hw
     return "torchao" if hw["has_fp8"] and hw["torchao"] else "reference"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffrl.quant.exploration import ExplorationCopy, swap_pointwise_convs
+from diffrl.precision.exploration import ExplorationCopy, swap_pointwise_convs
 
 
 def fp8_per_row_config(default: dict) -> dict:

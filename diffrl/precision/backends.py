@@ -21,7 +21,7 @@
 GEMMs run (Blackwell), FP8 through torchao where FP8 GEMMs run (Ada, Hopper), and
 elsewhere FP8 through the reference quantizer, saying that it is numerics only.
 
-The torchao copy is compiled block by block (:mod:`diffrl.perf.regional`), and torchao's
+The torchao copy is compiled block by block (:mod:`diffrl.runtime.regional`), and torchao's
 ``set_inductor_config`` is off: left on, ``quantize_`` turns on coordinate-descent tuning
 for every later compile in the process, the policy's included, which made the first
 GPU run's compile miss its 290 s.
@@ -47,9 +47,9 @@ import importlib
 import torch
 from torch import nn
 
-from diffrl.quant.exploration import PRECISIONS, ConvAsLinear, ExplorationCopy, swap_pointwise_convs
-from diffrl.quant.keep_high import default_keep_high
-from diffrl.quant.modelopt_copy import ModelOptCopy
+from diffrl.precision.exploration import PRECISIONS, ConvAsLinear, ExplorationCopy, swap_pointwise_convs
+from diffrl.precision.keep_high import default_keep_high
+from diffrl.precision.modelopt_copy import ModelOptCopy
 
 BACKENDS = ("auto", "reference", "modelopt", "torchao", "none")
 _PIP = {"modelopt": "pip install nvidia-modelopt[torch]", "torchao": "pip install torchao"}
@@ -339,9 +339,9 @@ class TorchaoCopy(ExplorationCopy):
 
 
 def compile_by_block(model: nn.Module, **compile_kwargs):
-    """``model`` with its repeated blocks compiled (:class:`diffrl.perf.regional.RegionalCompile`,
+    """``model`` with its repeated blocks compiled (:class:`diffrl.runtime.regional.RegionalCompile`,
     ``fullgraph``), or compiled whole where it has none."""
-    from diffrl.perf.regional import RegionalCompile, repeated_block_classes
+    from diffrl.runtime.regional import RegionalCompile, repeated_block_classes
 
     if not repeated_block_classes(model):
         return torch.compile(model, **compile_kwargs)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffrl.algorithms.selection import rank_agreement, select_subset
+from diffrl.precision.selection import rank_agreement, select_subset
 from rewards.ranking import average_ranks, kendall_tau, spearman_rho
 
 

@@ -13,8 +13,8 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.models import build_adapter
-from diffrl.quant import fake_fp8, fake_nvfp4
-from diffrl.quant.backends import (
+from diffrl.precision import fake_fp8, fake_nvfp4
+from diffrl.precision.backends import (
     ConvAsLinear,
     _copy_inner_,
     build_exploration_copy,
@@ -23,9 +23,9 @@ from diffrl.quant.backends import (
     choose_precision,
     detect_hardware,
 )
-from diffrl.quant.exploration import ExplorationCopy, merged_weight
-from diffrl.quant.formats import round_e4m3
-from diffrl.quant.keep_high import default_keep_high
+from diffrl.precision.exploration import ExplorationCopy, merged_weight
+from diffrl.precision.formats import round_e4m3
+from diffrl.precision.keep_high import default_keep_high
 from diffrl.training.policy import Policy
 
 
@@ -312,7 +312,7 @@ def _forward(adapter, model):
 def test_modelopt_copy_quantizes_our_layers_not_its_name_defaults(precision):
     """NVFP4 is built and calibrated here too, unfolded: its forward and its weight
     folding need CUDA."""
-    from diffrl.quant.backends import ModelOptCopy
+    from diffrl.precision.backends import ModelOptCopy
 
     _, policy = _policy("flux")
     copy = ModelOptCopy(policy.transformer, precision, default_keep_high("flux"), fold=False)
@@ -390,7 +390,7 @@ def test_modelopt_folds_weights_once_and_computes_what_it_computed_unfolded(monk
     defect 8): a forward fake-quantizes activations only, and its output is the unfolded
     copy's bit for bit (on CPU in fp32 the fold applies the same quantizer to the same
     fp32 weight the unfolded forward quantizes, then the same matmul runs)."""
-    from diffrl.quant.backends import ModelOptCopy
+    from diffrl.precision.backends import ModelOptCopy
 
     adapter, policy = _policy("flux")
     folded = build_exploration_copy(policy.transformer, "flux", "fp8", backend="modelopt", log=lambda _: None)
@@ -461,7 +461,7 @@ def _fp8_weight(copy, name):
 
 def test_torchao_copy_quantizes_our_layers_and_syncs_in_place(monkeypatch):
     _torchao_on_cpu(monkeypatch)
-    from diffrl.quant.backends import TorchaoCopy
+    from diffrl.precision.backends import TorchaoCopy
 
     adapter, policy = _policy("sana")
     policy.transformer.to(torch.bfloat16)
@@ -511,7 +511,7 @@ def test_torchao_fp8_linears_dispatch_to_row_wise_scaled_matmuls(monkeypatch):
     _torchao_on_cpu(monkeypatch)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from diffrl.quant.backends import TorchaoCopy
+    from diffrl.precision.backends import TorchaoCopy
 
     adapter, policy = _policy("flux")
     copy = TorchaoCopy(policy.transformer.to(torch.bfloat16), default_keep_high("flux"), compile=False)
@@ -535,7 +535,7 @@ def test_torchao_leaves_the_inductor_settings_alone(monkeypatch):
     _torchao_on_cpu(monkeypatch)
     import torch._inductor.config as inductor
 
-    from diffrl.quant.backends import TorchaoCopy, torchao_config
+    from diffrl.precision.backends import TorchaoCopy, torchao_config
 
     assert torchao_config("fp8").set_inductor_config is False
     before = inductor.get_config_copy()
@@ -547,8 +547,8 @@ def test_torchao_leaves_the_inductor_settings_alone(monkeypatch):
 
 def test_the_torchao_copy_is_compiled_block_by_block(monkeypatch):
     _torchao_on_cpu(monkeypatch)
-    from diffrl.perf.regional import RegionalCompile
-    from diffrl.quant.backends import TorchaoCopy
+    from diffrl.precision.backends import TorchaoCopy
+    from diffrl.runtime.regional import RegionalCompile
 
     _, policy = _policy("flux")
     copy = TorchaoCopy(policy.transformer.to(torch.bfloat16), default_keep_high("flux"), compile=True)
@@ -559,7 +559,7 @@ def test_the_torchao_copy_is_compiled_block_by_block(monkeypatch):
 
 def _nvfp4_on_cpu(monkeypatch):
     """torchao's NVFP4 config asserts sm_100+; its quantizer itself runs on CPU."""
-    from diffrl.quant.backends import torchao_nvfp4_config
+    from diffrl.precision.backends import torchao_nvfp4_config
 
     config = torchao_nvfp4_config()
     if config is None:
@@ -577,7 +577,7 @@ def test_torchao_nvfp4_copy_computes_with_the_reference_nvfp4_weights(monkeypatc
     its scales in BF16 arithmetic), and layers whose widths are not multiples of 16 stay
     in BF16, listed as kept (none here: the rule is tested below)."""
     _nvfp4_on_cpu(monkeypatch)
-    from diffrl.quant.backends import TorchaoCopy
+    from diffrl.precision.backends import TorchaoCopy
 
     _, policy = _policy("flux")
     transformer = policy.transformer.to(torch.bfloat16)
@@ -600,7 +600,7 @@ def test_torchao_nvfp4_copy_computes_with_the_reference_nvfp4_weights(monkeypatc
 
 
 def test_nvfp4_keeps_layers_its_blocks_do_not_tile():
-    from diffrl.quant.backends import _fits_nvfp4_blocks
+    from diffrl.precision.backends import _fits_nvfp4_blocks
 
     assert _fits_nvfp4_blocks(torch.nn.Linear(32, 48))
     assert not _fits_nvfp4_blocks(torch.nn.Linear(24, 32)) and not _fits_nvfp4_blocks(torch.nn.Linear(32, 8))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffrl.quant import fake_fp8, fake_nvfp4, nvfp4_scales, round_e2m1, round_e4m3
+from diffrl.precision import fake_fp8, fake_nvfp4, nvfp4_scales, round_e2m1, round_e4m3
 
 
 def e4m3_grid() -> list[tuple[float, int]]:

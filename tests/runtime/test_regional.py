@@ -1,4 +1,4 @@
-"""Regional compilation (diffrl.perf.regional, issue 50 item 3): one compile per distinct
+"""Regional compilation (diffrl.runtime.regional, issue 50 item 3): one compile per distinct
 block whatever the depth, the same numbers as eager, and nothing leaks into copies."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-from diffrl.perf.regional import RegionalCompile, repeated_block_classes
+from diffrl.runtime.regional import RegionalCompile, repeated_block_classes
 
 
 class CountingBackend:

@@ -32,9 +32,9 @@ import copy
 import torch
 from torch import nn
 
-from diffrl.quant.formats import fake_fp8, fake_nvfp4
-from diffrl.quant.keep_high import split_keep_high
-from diffrl.training.sharding import units_gathered
+from diffrl.precision.formats import fake_fp8, fake_nvfp4
+from diffrl.precision.keep_high import split_keep_high
+from diffrl.runtime.sharding import units_gathered
 
 PRECISIONS = ("nvfp4", "fp8", "bf16")
 # layers whose weights are loaded one by one at sync (LoRA merged); the rest is copied as is

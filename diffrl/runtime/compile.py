@@ -1,4 +1,5 @@
-"""The speed switches of ``cfg.perf`` applied to a run's models.
+"""Compiling a run's transformer for rollouts (``perf.compile_rollout``, ``compile_scope``,
+``compile_mode``): by block (:mod:`diffrl.runtime.regional`) or whole.
 
 Each switch is measured by ``scripts/bench_rollout.py --sections optimisations`` (one
 forward) and ``--vs perf.KEY=VALUE`` (whole iterations); docs/BENCHMARKS.md records
@@ -58,7 +59,7 @@ def _cloned(out):
 
 def compiled(module: torch.nn.Module, perf, log=print):
     """``module`` compiled as ``perf`` says, for rollouts: by block
-    (:class:`diffrl.perf.regional.RegionalCompile`, in place, gradients-off calls only,
+    (:class:`diffrl.runtime.regional.RegionalCompile`, in place, gradients-off calls only,
     ``fullgraph``; its first call's time is logged) or whole (:class:`CompiledOrEager`);
     ``module`` itself when ``perf.compile_rollout`` is off."""
     if not perf.compile_rollout:
@@ -76,7 +77,7 @@ def compiled(module: torch.nn.Module, perf, log=print):
         )
     mode = None if perf.compile_mode == "default" else perf.compile_mode
     if perf.compile_scope == "blocks":
-        from diffrl.perf.regional import RegionalCompile, repeated_block_classes
+        from diffrl.runtime.regional import RegionalCompile, repeated_block_classes
 
         if repeated_block_classes(module):
             return RegionalCompile(
@@ -84,25 +85,3 @@ def compiled(module: torch.nn.Module, perf, log=print):
             )
         log(f"perf.compile_rollout: {type(module).__name__} has no repeated blocks; compiling it whole")
     return CompiledOrEager(module, mode, log)
-
-
-def apply_attention_backend(transformer: torch.nn.Module, name: str | None) -> None:
-    """Switch a diffusers transformer's attention to backend ``name`` (None: leave as is).
-    diffusers also makes ``name`` the process-wide active backend: a run uses one backend."""
-    if name is None:
-        return
-    if "hub" in name:
-        raise ConfigError(
-            f"perf.attention_backend '{name}' downloads kernels at run time; this toolkit never "
-            "downloads: use flash, _flash_3, _native_flash, _native_cudnn, xformers or sage"
-        )
-    setter = getattr(transformer, "set_attention_backend", None)
-    if setter is None:
-        raise ConfigError(
-            f"perf.attention_backend: {type(transformer).__name__} is not a diffusers model with "
-            "switchable attention; set perf.attention_backend: null"
-        )
-    try:
-        setter(name)
-    except (ValueError, RuntimeError, ImportError) as err:
-        raise ConfigError(f"perf.attention_backend '{name}': {err}") from None

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffrl.algorithms.selection import rank_agreement, select_subset
+from diffrl.precision.selection import rank_agreement, select_subset
+from diffrl.runtime.clock import StageClock
 from diffrl.sampling import SamplerSettings, get_strategy, rollout_independent
 from diffrl.sampling.subtree import regenerate_subtree
 from diffrl.sampling.tree import TreeLayout
-from diffrl.training.metrics import StageClock
 
 
 @dataclass
@@ -98,7 +98,7 @@ class SolRLStage:
         sol = s.solrl
         self.copy = None
         if sol.precision != "bf16":  # the control explores with the policy itself
-            from diffrl.quant.backends import build_exploration_copy
+            from diffrl.precision.backends import build_exploration_copy
 
             self.copy = build_exploration_copy(
                 transformer, s.family, sol.precision, sol.backend, sol.keep_high, log=log, device=device
@@ -126,7 +126,7 @@ class SolRLStage:
         if self.copy.backend == "torchao":  # compiled by its backend already
             return self.copy.model
         if self._compiled_copy is None:
-            from diffrl.perf.runtime import compiled
+            from diffrl.runtime.compile import compiled
 
             self._compiled_copy = compiled(self.copy.model, self.settings.perf, log=self._log)
         return self._compiled_copy

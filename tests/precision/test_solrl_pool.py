@@ -50,7 +50,7 @@ def _tensor_bytes(obj) -> int:
 def _spied_run(trainer):
     """One Sol-RL rollout, recording the pool the regeneration receives, the live tensor
     bytes when exploring starts and when the pool is scored, and the pool's images."""
-    stage, seen = trainer.solrl, {}
+    stage, seen = trainer.precision.solrl, {}
     explorer, regenerate, reward_fn = stage.explorer, stage.regenerate, stage.reward_fn
 
     def spy_explorer(*args, **kwargs):
@@ -87,7 +87,7 @@ def test_the_pool_keeps_no_steps_and_the_regeneration_is_unchanged(case, tmp_pat
     layout = 4 * 8 * pool.depth.numel() + pool.sigmas.numel() * 4 if case == "tree" else 0
     assert _tensor_bytes(pool) == layout
     # the old path: a pool that kept every step, which the regeneration reproduces exactly
-    stage = trainer.solrl
+    stage = trainer.precision.solrl
     full = stage.explore(trainer.adapter, trainer.adapter.transformer, cond, plan.keys, 0, keep_steps=True)
     n, traj = stage.settings.solrl.pool_size, out.traj
     flat = (out.selected + n * torch.arange(out.selected.shape[0]).unsqueeze(1)).flatten()

@@ -9,8 +9,8 @@ import pytest
 from diffrl.config import load_config
 from diffrl.models import available as available_families
 from diffrl.models import build_adapter
-from diffrl.quant.exploration import ExplorationCopy
-from diffrl.quant.keep_high import default_keep_high, split_keep_high
+from diffrl.precision.exploration import ExplorationCopy
+from diffrl.precision.keep_high import default_keep_high, split_keep_high
 
 FAMILIES = available_families()
 

@@ -8,7 +8,8 @@ from diffrl.config import ConfigError, load_config
 from diffrl.models import build_adapter
 from diffrl.models.base import unwrap
 from diffrl.perf.flops import velocity_inputs
-from diffrl.perf.runtime import CompiledOrEager, apply_attention_backend, compiled
+from diffrl.runtime.attention import apply_attention_backend
+from diffrl.runtime.compile import CompiledOrEager, compiled
 
 
 def _perf(**kw):

@@ -6,8 +6,8 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.models import build_adapter
-from diffrl.quant import fake_nvfp4
-from diffrl.quant.exploration import ExplorationCopy, merged_weight
+from diffrl.precision import fake_nvfp4
+from diffrl.precision.exploration import ExplorationCopy, merged_weight
 from diffrl.training.policy import Policy
 
 
@@ -162,7 +162,7 @@ def test_sync_loads_biases_of_layers():
 def test_activation_quantizer_in_chunks_equals_one_piece(precision):
     """Activations are quantized a few samples at a time to bound the reference path's
     fp32 temporaries (issue 37, defect 7); per-sample scales make that exact."""
-    from diffrl.quant.exploration import _activation_quantizer
+    from diffrl.precision.exploration import _activation_quantizer
 
     x = torch.randn(7, 5, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     x[3] *= 50  # one loud sample: a shared scale would change the others

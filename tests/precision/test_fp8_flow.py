@@ -1,4 +1,4 @@
-"""The unified FP8 precision flow (diffrl/quant/fp8_flow.py): its casts against the format
+"""The unified FP8 precision flow (diffrl/precision/fp8_flow.py): its casts against the format
 and against torchao's own float8 training GEMM, straight-through gradients against their
 formula, and the on-policy property: a unified rollout replays at ratio 1, a naive split
 (FP8 rollouts, BF16 update) does not."""
@@ -13,8 +13,8 @@ from diffrl.algorithms.flow_grpo import flow_grpo_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.config import ConfigError
 from diffrl.models import build_adapter
-from diffrl.quant.formats import fake_fp8_cast
-from diffrl.quant.fp8_flow import Fp8Flow, _cast_args, build_precision_flow, effective_weight
+from diffrl.precision.formats import fake_fp8_cast
+from diffrl.precision.fp8_flow import Fp8Flow, _cast_args, build_precision_flow, effective_weight
 from diffrl.sampling.rollout import rollout_independent
 from diffrl.training.policy import Policy
 from tests.helpers import quick_config
