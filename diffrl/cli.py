@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 def _interrupted_message(cfg) -> str:
     """Ctrl-C: no traceback, and whether there is a checkpoint to continue from (one being
     written when the key was pressed is never half-kept: saves are atomic)."""
-    from diffrl.training.checkpoint import latest_complete
+    from diffrl.inference.checkpoints import latest_complete
 
     if cfg is None:
         return "interrupted"

@@ -40,7 +40,7 @@ def lora_targets(cfg) -> list[str]:
 
 
 def lora_init() -> str:
-    from diffrl.training.policy import LORA_INIT
+    from diffrl.models.policy import LORA_INIT
 
     return LORA_INIT
 

@@ -112,7 +112,7 @@ def resolve_config(args):
 
 def build_policy(cfg, device):
     from diffrl.models import build_adapter
-    from diffrl.training.policy import Policy
+    from diffrl.models.policy import Policy
 
     adapter = build_adapter(cfg.model, device=device)  # only random:<arch> builds on the device directly
     adapter.to(device)

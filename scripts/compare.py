@@ -53,12 +53,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     from diffrl.config import load_config
-    from diffrl.data.prompts import check_image_column, load_prompts
+    from diffrl.data.prompts import load_prompts
     from diffrl.evaluation.compare import CompareError, parse_checkpoints, run_comparison, with_rlg_scales
     from diffrl.evaluation.compare_report import grid_pages, write_html, write_jsonl
-    from diffrl.models import adapter_class, build_adapter
-    from diffrl.training.policy import Policy
-    from rewards.combine import MultiReward
+    from diffrl.inference.session import Session
 
     args = parse_args(argv)
     if args.num_prompts < 1:
@@ -71,15 +69,12 @@ def main(argv=None) -> dict:
     except ValueError:
         raise CompareError(f"--rlg-scales must be comma-separated numbers, got '{args.rlg_scales}'") from None
     columns = with_rlg_scales(parse_checkpoints(args.checkpoint), scales)
-    prompts = load_prompts(args.prompts or cfg.data.eval_prompts)[: args.num_prompts]
-    edits = adapter_class(cfg.model.family).edits_images
-    check_image_column(prompts, args.prompts or cfg.data.eval_prompts, cfg.model.family, edits)
-    reward_fn = MultiReward(cfg.rewards)
-    reward_fn.check_prompts(prompts, args.prompts or cfg.data.eval_prompts)
-    adapter = build_adapter(cfg.model)
-    policy = Policy(adapter, cfg.model, cfg.seed, upcast_trainable=False)  # sampling only
+    source = args.prompts or cfg.data.eval_prompts
+    prompts = load_prompts(source)[: args.num_prompts]  # a bad file fails before any model is built
+    session = Session(cfg)
+    session.check_prompts(prompts, source)
     steps = args.steps or cfg.sampling.eval_num_steps or cfg.sampling.num_steps
-    tiles = run_comparison(adapter, policy, columns, prompts, args.seeds, steps, cfg, reward_fn)
+    tiles = run_comparison(session, columns, prompts, args.seeds, steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = [c.name for c in columns]

@@ -4,12 +4,14 @@ and seeds: held-out and training-subset scores with standard errors, diversity a
 fidelity, printed as one table and written as JSON.
 
     python scripts/evaluate.py --config toy_flowgrpo --checkpoint base
-    python scripts/evaluate.py --config toy_flowgrpo --checkpoint outputs/toy_flowgrpo/checkpoints/step-150 \\
+    python scripts/evaluate.py --checkpoint outputs/toy_flowgrpo/checkpoints/step-150 \\
         --set eval.seeds=[101,102] --set data.eval_prompts=my_prompts.txt --json scores.json
 
-A checkpoint is loaded as ``--resume`` loads it, so the EMA weights that the training
-evaluations use are the ones scored. Use seeds and prompts the run never saw to re-check
-a result independently of the evaluation it was tuned on.
+A checkpoint's weights are those its evaluations scored (its EMA where the run kept one;
+``--weights trained`` or ``ema`` picks), read without its optimizer or RNG state, under
+the checkpoint's own config.yaml unless ``--config`` names another (a config that
+differs from it is named in one line). Use seeds and prompts the run never saw to
+re-check a result independently of the evaluation it was tuned on.
 
 The papers' protocols (diffrl.evaluation.protocols; their prompt sets fetched first with
 ``diffrl-data fetch``), one markdown table and one JSON in ``--out``:
@@ -38,30 +40,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="the run's config name or path (or RUN_DIR/config.yaml)")
+    p.add_argument(
+        "--config",
+        help="the config name or path; with --checkpoint, default: the checkpoint's own config.yaml",
+    )
     p.add_argument("--checkpoint", default="base", help="'base' or a checkpoints/step-N directory")
+    p.add_argument(
+        "--weights",
+        choices=("evaluated", "trained", "ema"),
+        default="evaluated",
+        help="a checkpoint's weights: those its evaluations scored (the EMA where the run kept one; "
+        "default), the trained ones, or the EMA",
+    )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", type=Path, default=None, help="write the metrics here")
     _protocol_args(p)
     args = p.parse_args(argv)
+    if args.checkpoint == "base" and not args.config:
+        p.error("--config is required with --checkpoint base")
     if args.protocol:
         from diffrl.evaluation.protocol_run import run
 
-        run(args)
+        run(_protocol_request(args))
         return 0
 
-    import tempfile
+    from diffrl.evaluation.scoring import evaluate_run
 
-    from diffrl.config import load_config
-    from diffrl.training.trainer import Trainer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        quiet = [f"output_dir={tmp}", "logging.trackers=[]", "perf.compile_rollout=false"]
-        cfg = load_config(args.config, quiet + list(args.overrides))
-        trainer = Trainer(cfg)
-        if args.checkpoint != "base":
-            trainer.resume(args.checkpoint)
-        metrics = trainer.evaluate()
+    metrics = evaluate_run(_session(args))
     width = max(len(k) for k in metrics) + 2
     for key in sorted(metrics):
         print(f"{key:<{width}}{metrics[key]:.4g}")
@@ -70,6 +75,39 @@ def main(argv=None) -> int:
             json.dumps({"checkpoint": args.checkpoint, "overrides": args.overrides, **metrics}, indent=1)
         )
     return 0
+
+
+def _session(args):
+    """The inference session of the config, or of the checkpoint (its own config unless
+    --config names one): no optimizer, no RNG state, no training run."""
+    from diffrl.inference.session import Session, session_for_checkpoint
+
+    if args.checkpoint == "base":
+        from diffrl.config import load_config
+
+        return Session(load_config(args.config, args.overrides), prompts=("eval",))
+    return session_for_checkpoint(
+        args.checkpoint, args.config, args.overrides, args.weights, prompts=("eval",)
+    )
+
+
+def _protocol_request(args):
+    from diffrl.evaluation.protocol_run import ProtocolRun
+
+    return ProtocolRun(
+        protocol=args.protocol,
+        config=args.config,
+        overrides=tuple(args.overrides),
+        checkpoint=args.checkpoint,
+        weights=args.weights,
+        lora=args.lora,
+        prompts=args.prompts,
+        limit=args.limit,
+        images=args.images,
+        rewards=tuple(args.rewards.split(",")) if args.rewards else (),
+        reward_args=tuple(args.reward_args),
+        out=args.out,
+    )
 
 
 def _protocol_args(p: argparse.ArgumentParser) -> None:

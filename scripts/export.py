@@ -32,7 +32,7 @@ def chosen_folder(checkpoint: Path, weights: str) -> Path:
 
 
 def export(checkpoint: Path, out: Path, weights: str = "evaluated", merge: bool = False) -> Path:
-    from diffrl.training.checkpoint import CheckpointError, checkpoint_problem
+    from diffrl.inference.checkpoints import CheckpointError, checkpoint_problem
 
     problem = checkpoint_problem(checkpoint)
     if problem:

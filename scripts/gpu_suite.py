@@ -369,8 +369,8 @@ def _train_only(cfg, device, compile: bool, emit) -> None:
     the unified FP8 flow against it."""
     from diffrl.models import build_adapter
     from diffrl.models.loading import torch_dtype
+    from diffrl.models.policy import Policy
     from diffrl.perf import bench
-    from diffrl.training.policy import Policy
     from diffrl.training.setup import avoid_cudnn_attention
 
     avoid_cudnn_attention(log=lambda _: None)

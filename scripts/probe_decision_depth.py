@@ -57,46 +57,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def measure(args):
-    """(config, curve, steps, window width): the probe run on the config's trainer."""
-    import contextlib
-    import tempfile
-
+    """(config, curve, steps, window width): the probe run on the config's policy, or on a
+    checkpoint's (the weights its evaluations scored) in an inference session."""
     from diffrl.config import load_config
-    from diffrl.data.prompts import load_prompts
+    from diffrl.data.prompts import spaced_subset
     from diffrl.evaluation import decision_depth as dd
-    from diffrl.evaluation.scoring import spaced_subset
+    from diffrl.inference.session import Session, session_for_checkpoint
     from diffrl.sampling.windows import sde_window_at
-    from diffrl.training.trainer import Trainer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        quiet = [f"output_dir={tmp}", "logging.trackers=[]", "perf.compile_rollout=false", "eval.every=0"]
-        cfg = load_config(args.config, quiet + ["eval.at_start=false"] + list(args.overrides))
-        trainer = Trainer(cfg)
-        if args.checkpoint != "base":
-            trainer.resume(args.checkpoint)
-        steps = args.num_steps or cfg.sampling.num_steps
-        level = cfg.sampling.noise_level if args.noise_level is None else args.noise_level
-        prompts = spaced_subset(load_prompts(args.prompt_file or cfg.data.train_prompts), args.prompts)
-        start, end = sde_window_at(cfg.sampling, steps, 0)
-        scored_weights = (  # a checkpoint is probed with the EMA weights its evaluations used
-            trainer.ema.swapped_in()
-            if trainer.ema is not None and args.checkpoint != "base"
-            else contextlib.nullcontext()
-        )
-        with scored_weights:
-            curve = dd.probe(
-                trainer.adapter,
-                trainer.policy.transformer,
-                trainer.reward_fn,
-                prompts,
-                steps,
-                cfg.sampling.sde_type,
-                level,
-                children=args.children,
-                batch=cfg.rollout.batch_size,
-                seed=args.seed,
-                scores=tuple(args.scores),
-            )
+    if args.checkpoint == "base":
+        session = Session(load_config(args.config, list(args.overrides)))
+    else:
+        session = session_for_checkpoint(args.checkpoint, args.config, list(args.overrides))
+    cfg = session.cfg
+    steps = args.num_steps or cfg.sampling.num_steps
+    level = cfg.sampling.noise_level if args.noise_level is None else args.noise_level
+    prompts = spaced_subset(session.read_prompts(args.prompt_file or cfg.data.train_prompts), args.prompts)
+    start, end = sde_window_at(cfg.sampling, steps, 0)
+    curve = dd.probe(
+        session.adapter,
+        session.policy.transformer,
+        session.reward_fn,
+        prompts,
+        steps,
+        cfg.sampling.sde_type,
+        level,
+        children=args.children,
+        batch=cfg.rollout.batch_size,
+        seed=args.seed,
+        scores=tuple(args.scores),
+    )
     return cfg, curve, steps, args.window or max(end - start, 1)
 
 

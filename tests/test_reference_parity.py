@@ -267,7 +267,7 @@ def test_nft_loss_matches_the_diffusionnft_training_loop(case):
 
 
 def test_old_policy_decay_follows_diffusionnfts_schedule_in_optimizer_steps():
-    from diffrl.training.policy import OldPolicy
+    from diffrl.training.ema import OldPolicy
 
     fix = NFT["old_policy_decay"]
     param = [torch.nn.Parameter(torch.zeros(1))]

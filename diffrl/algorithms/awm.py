@@ -19,7 +19,7 @@ where the likelihood ratio of flow-GRPO's SDE transitions does not, hence its re
     + kl_coef * mean (v_theta - v_ref)^2       (the base model, LoRA off)
     + awm_ema_beta * mean (v_theta - v_ema)^2   (an EMA of the policy)
 
-The EMA is the trainer's old policy (:class:`diffrl.training.policy.OldPolicy`), whose
+The EMA is the trainer's old policy (:class:`diffrl.training.ema.OldPolicy`), whose
 decay min(nft_old_decay_max, nft_old_decay_rate * step) is AWM's
 min(0.3, 0.001 * global_step) with ``nft_old_decay_max: 0.3``; it is checkpointed, so a
 resumed run continues with the same anchor.

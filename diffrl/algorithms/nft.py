@@ -21,7 +21,7 @@ trajectory is needed: only x0. With ``kl_coef`` > 0 the velocity-space penalty
 kl_coef * mean ||v_theta - v_ref||^2 is added.
 
 The old policy is an EMA of the trained weights refreshed once per iteration
-(:class:`diffrl.training.policy.OldPolicy`): decay 0 makes it the policy that sampled.
+(:class:`diffrl.training.ema.OldPolicy`): decay 0 makes it the policy that sampled.
 
 Reference: NVlabs/DiffusionNFT, ``scripts/train_nft_sd3.py`` (loss lines 864-970,
 ``return_decay``). The loss, r, the adaptive weight, the KL term and the old-policy

@@ -170,6 +170,14 @@ def _jsonl_record(path: Path, lineno: int, line: str) -> PromptRecord:
     return PromptRecord(obj["prompt"], image_path.resolve(), group, obj)
 
 
+def spaced_subset(prompts: list[str], count: int) -> list[str]:
+    """``count`` prompts evenly spaced through ``prompts`` (all when count >= len): a fixed
+    subset that covers a file sorted by prompt type as well as a shuffled one."""
+    if count >= len(prompts):
+        return list(prompts)
+    return [prompts[(i * len(prompts)) // count] for i in range(count)]
+
+
 def check_image_column(prompts: list[str], path, family: str, edits_images: bool) -> None:
     """An editing family (``edits_images``, its adapter's ``FlowAdapter.edits_images``)
     needs an input image on every prompt, and a text-to-image family would silently ignore

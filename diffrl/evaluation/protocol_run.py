@@ -1,19 +1,20 @@
 """Running a paper's evaluation protocol on a model: ``scripts/evaluate.py --protocol``.
 
-The model is a config's (``model.pretrained``, its sampler and resolution), plus a diffrl
-checkpoint (loaded as ``--resume`` loads it, its EMA weights scored as training scores
-them) or a LoRA from elsewhere (:mod:`diffrl.models.lora_files`). The prompts are
-the protocol's set unless ``--prompts`` names another set or file; ``--limit`` takes the
-first N prompts. Rewards are the protocol's; ``--rewards`` picks a subset and
-``--reward-arg NAME.KEY=VALUE`` gives their weights. Writes ``<out>/<protocol>.md`` (the
-table) and ``<out>/<protocol>.json`` (the table, the settings, every image's scores).
+The model is a config's (``model.pretrained``, its sampler and resolution) in an
+inference session (:mod:`diffrl.inference.session`), plus a diffrl checkpoint (its
+evaluated weights by default: the EMA where the run kept one, as training scored them;
+its optimizer and RNG state are never read) or a LoRA from elsewhere
+(:func:`diffrl.models.lora_files.load_outside_lora`). The prompts are the protocol's set
+unless ``prompts`` names another set or file; ``limit`` takes the first N prompts.
+Rewards are the protocol's; ``rewards`` picks a subset and ``reward_args``
+(``NAME.KEY=VALUE``) gives their weights. Writes ``<out>/<protocol>.md`` (the table) and
+``<out>/<protocol>.json`` (the table, the settings, every image's scores).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -22,9 +23,31 @@ from diffrl.config import ConfigError
 from diffrl.evaluation import protocols as P
 
 
-def reward_specs(protocol: P.Protocol, names: str | None, args: list[str]) -> list[dict]:
-    """The protocol's rewards (or the comma list ``names``), with ``NAME.KEY=VALUE`` args."""
-    chosen = names.split(",") if names else list(protocol.rewards)
+@dataclass(frozen=True)
+class ProtocolRun:
+    """One protocol run, as ``scripts/evaluate.py --protocol`` asks for it."""
+
+    protocol: str  # a name of :data:`~diffrl.evaluation.protocols.PROTOCOLS`
+    config: str | None = None  # the config (name or path); None: the checkpoint's own
+    overrides: tuple[str, ...] = ()  # --set KEY=VALUE on top of it
+    checkpoint: str = "base"  # 'base' or a checkpoint / export directory
+    weights: str = "evaluated"  # a checkpoint's evaluated, trained or ema weights
+    lora: str | None = None  # a LoRA from elsewhere: a PEFT or diffusers folder, a file or a hub id
+    prompts: str | None = None  # another prompt set or file than the protocol's
+    limit: int = 0  # the first N prompts only (0: all)
+    images: int = 0  # images per prompt (0: the protocol's)
+    rewards: tuple[str, ...] = ()  # a subset of the protocol's rewards (empty: all)
+    reward_args: tuple[str, ...] = ()  # NAME.KEY=VALUE
+    out: str = "outputs/eval"
+
+    @property
+    def images_per_prompt(self) -> int:
+        return self.images or P.PROTOCOLS[self.protocol].images_per_prompt
+
+
+def reward_specs(protocol: P.Protocol, names, args) -> list[dict]:
+    """The protocol's rewards (or ``names``, a subset), with ``NAME.KEY=VALUE`` args."""
+    chosen = list(names) if names else list(protocol.rewards)
     specs = {n: {"name": n, "args": dict(protocol.reward_args.get(n, {}))} for n in chosen}
     for item in args:
         target, eq, value = item.partition("=")
@@ -37,32 +60,31 @@ def reward_specs(protocol: P.Protocol, names: str | None, args: list[str]) -> li
     return list(specs.values())
 
 
-def source_of(protocol: P.Protocol, prompts: str | None, cfg) -> str:
-    return prompts or protocol.prompts or cfg.data.eval_prompts
+def open_session(request: ProtocolRun):
+    """The inference session that scores ``request``: its config, the protocol's rewards,
+    the checkpoint's weights or an outside LoRA."""
+    from diffrl.config import RewardSpec
+    from diffrl.inference.session import Session, session_for_checkpoint
+
+    protocol = P.PROTOCOLS[request.protocol]
+    rewards = [RewardSpec(**spec) for spec in reward_specs(protocol, request.rewards, request.reward_args)]
+    if request.checkpoint != "base":
+        session = session_for_checkpoint(
+            request.checkpoint, request.config, request.overrides, request.weights, rewards=rewards
+        )
+    else:
+        from diffrl.config import load_config
+
+        if request.config is None:
+            raise ConfigError("--protocol with --checkpoint base needs --config (the model to score)")
+        session = Session(load_config(request.config, list(request.overrides)), rewards=rewards)
+    if request.lora:
+        session.load_outside_lora(request.lora)
+    return session
 
 
-def build_trainer(a, protocol: P.Protocol, run_dir: str):
-    """A Trainer for ``a.config`` scoring with the protocol's rewards on its prompts."""
-    from diffrl.config import load_config
-    from diffrl.training.trainer import Trainer
-
-    base = load_config(a.config, list(a.overrides))
-    source = source_of(protocol, a.prompts, base)
-    rewards = json.dumps(reward_specs(protocol, a.rewards, a.reward_args))
-    quiet = [f"output_dir={run_dir}", "logging.trackers=[]", "perf.compile_rollout=false"]
-    quiet += ["eval.every=0", "eval.at_start=false", f"data.train_prompts={source}", f"rewards={rewards}"]
-    trainer = Trainer(load_config(a.config, quiet + list(a.overrides)))
-    if a.checkpoint != "base":
-        trainer.resume(a.checkpoint)
-    if a.lora:
-        from diffrl.models.lora_files import load_outside_lora
-
-        load_outside_lora(trainer.adapter.transformer, a.lora, log=trainer.acc.print)
-    return trainer, source
-
-
-def settings_of(trainer) -> dict:
-    cfg = trainer.cfg
+def settings_of(session) -> dict:
+    cfg = session.cfg
     return {
         "model": cfg.model.pretrained,
         "init_lora": cfg.model.init_lora,
@@ -76,40 +98,36 @@ def settings_of(trainer) -> dict:
         "dtype": cfg.model.dtype,
         "mixed_precision": cfg.train.mixed_precision,
         "batch_size": cfg.rollout.batch_size,
-        "rewards": [{"name": r.name, "args": dict(r.args)} for r in cfg.rewards],
+        "rewards": [{"name": name, "args": args} for name, args in _reward_args(session)],
     }
 
 
-def run(a) -> dict | None:
-    """Run protocol ``a.protocol``; the main process writes and returns the result."""
-    from diffrl.sampling.settings import SamplerSettings
+def _reward_args(session) -> list[tuple[str, dict]]:
+    return [(spec.name, dict(spec.args)) for spec in session.reward_specs]
 
-    protocol = P.PROTOCOLS[a.protocol]
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer, source = build_trainer(a, protocol, tmp)
-        items = P.protocol_items(protocol, source)[: a.limit or None]
-        samples = P.plan(items, a.images or protocol.images_per_prompt, protocol.name)
-        sampler = SamplerSettings.of(trainer.cfg).for_evaluation()
-        steps = trainer.cfg.sampling.eval_num_steps or trainer.cfg.sampling.num_steps
-        ema = trainer.ema.swapped_in() if (trainer.ema is not None and a.checkpoint != "base") else None
-        guidance = trainer.adapter.guidance_scale_as(trainer.cfg.eval.guidance_scale)
-        with ema or contextlib.nullcontext(), guidance:
-            args = (trainer.acc, trainer.adapter, trainer.adapter.transformer, trainer.reward_fn)
-            scored = P.score_samples(*args, samples, sampler, steps)
-        if not trainer.acc.is_main_process:
-            return None
-        result = {
-            "protocol": protocol.name,
-            "reference": protocol.reference,
-            "prompts": {"source": source, "sha256": _recorded_sha(source), "count": len(items)},
-            "images_per_prompt": a.images or protocol.images_per_prompt,
-            "checkpoint": a.checkpoint,
-            "lora": a.lora,
-            "settings": settings_of(trainer),
-            **P.summarise(protocol, scored),
-            "samples": scored,
-        }
-    write(result, Path(a.out), protocol.name)
+
+def run(request: ProtocolRun) -> dict | None:
+    """Run ``request``'s protocol; the main process writes and returns the result."""
+    protocol = P.PROTOCOLS[request.protocol]
+    session = open_session(request)
+    source = request.prompts or protocol.prompts or session.cfg.data.eval_prompts
+    items = P.protocol_items(protocol, source)[: request.limit or None]
+    session.reward_fn.check_prompts([prompt for prompt, _ in items], source)
+    scored = P.score_protocol(session, protocol, items, request.images_per_prompt)
+    if not session.acc.is_main_process:
+        return None
+    result = {
+        "protocol": protocol.name,
+        "reference": protocol.reference,
+        "prompts": {"source": source, "sha256": _recorded_sha(source), "count": len(items)},
+        "images_per_prompt": request.images_per_prompt,
+        "checkpoint": request.checkpoint,
+        "lora": request.lora,
+        "settings": settings_of(session),
+        **P.summarise(protocol, scored),
+        "samples": scored,
+    }
+    write(result, Path(request.out), protocol.name)
     return result
 
 

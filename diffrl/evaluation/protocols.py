@@ -13,15 +13,17 @@
   CLIPScore and the LAION aesthetic score with standard errors, by category or style.
 * ``shapeworld``: the config's held-out ShapeWorld prompts, 2 images each, the verifier.
 
-Every image's noise is keyed by (protocol, prompt index, seed), and the work is cut into
-chunks of ``rollout.batch_size`` in that order, dealt to the processes in turn: each chunk
-is the same batch however many processes run, so the table of N processes is the table
-of one (tested over gloo). Only the main process writes it.
+Every image's noise is keyed by (protocol, prompt index, seed), and the work goes through
+the one generate-and-score loop (:mod:`diffrl.inference.generate`): chunks of
+``rollout.batch_size`` in that order, dealt to the processes in turn, each prompt encoded
+on its own, so the table of N processes is the table of one (tested over gloo). Only the
+main process writes it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,14 +39,29 @@ class Protocol:
     rewards: tuple[str, ...]  # reward names; their args come from the command line
     reference: str
     reward_args: dict = field(default_factory=dict)
+    # (protocol, samples) -> the table (:func:`summarise`); the means of its rewards by default
+    table: Callable[[Protocol, list[dict]], dict] | None = None
+
+
+def _reward_means(protocol: Protocol, samples: list[dict]) -> dict:
+    return means_summary(samples, _reward_keys(protocol, samples))
+
+
+def _ocr_means(protocol: Protocol, samples: list[dict]) -> dict:
+    return means_summary(samples, ("ocr", "ocr_exact"))
+
+
+def _geneval_table(protocol: Protocol, samples: list[dict]) -> dict:
+    return geneval_summary(samples)
 
 
 PROTOCOLS = {
     p.name: p
     for p in [
         Protocol("geneval", "geneval/eval", 4, ("geneval",), "GenEval (arXiv:2310.11513), summary_scores.py",
-                 {"geneval": {"score": "geneval"}}),
-        Protocol("ocr", "ocr/test", 1, ("ocr",), "flow_grpo's OCR test accuracy (arXiv:2505.05470)"),
+                 {"geneval": {"score": "geneval"}}, _geneval_table),
+        Protocol("ocr", "ocr/test", 1, ("ocr",), "flow_grpo's OCR test accuracy (arXiv:2505.05470)",
+                 table=_ocr_means),
         Protocol("drawbench", "drawbench", 1, REWARD_MEANS, "DrawBench (Imagen, arXiv:2205.11487)"),
         Protocol("hpdv2", "hpdv2/benchmark", 1, REWARD_MEANS, "HPSv2's benchmark (arXiv:2306.09341)"),
         Protocol("shapeworld", None, 2, ("shapeworld",), "ShapeWorld held-out prompts (docs/SHAPEWORLD.md)"),
@@ -61,46 +78,21 @@ def protocol_items(protocol: Protocol, source: str) -> list[tuple[str, str | Non
     return [(r.prompt, r.group) for r in read_prompts(source)]
 
 
-# -- generating and scoring, sharded by chunks ------------------------------------------------
-def plan(items, images_per_prompt: int, tag: str) -> list[dict]:
-    """One entry per image: prompt index, prompt, group, seed and its noise key."""
+# -- generating and scoring ------------------------------------------------------------------
+def score_protocol(session, protocol: Protocol, items, images_per_prompt: int) -> list[dict]:
+    """Every prompt's images generated and scored (:func:`~diffrl.inference.generate.generate_and_score`,
+    each prompt encoded on its own, so the table of N processes is the table of one); every
+    process gets every sample back, in plan order, as ``{index, prompt, group, seed, scores}``."""
+    from diffrl.inference.generate import GenerationSettings, generate_and_score, plan_samples
+
+    prompts, groups = [p for p, _ in items], [g for _, g in items]
+    samples = plan_samples(prompts, list(range(images_per_prompt)), protocol.name, groups)
+    scored = generate_and_score(session, samples, GenerationSettings.of(session.cfg), encode_alone=True)
     return [
-        {"index": i, "prompt": p, "group": g, "seed": s, "key": (tag, i, s)}
-        for i, (p, g) in enumerate(items)
-        for s in range(images_per_prompt)
-    ]
-
-
-def chunks_of(samples: list[dict], size: int, rank: int, world: int) -> list[list[dict]]:
-    """The chunks of ``size`` consecutive samples that process ``rank`` runs: every
-    ``world``-th, so the batches are those of one process."""
-    chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
-    return chunks[rank::world]
-
-
-@torch.no_grad()
-def score_samples(acc, adapter, transformer, reward_fn, samples, sampler, num_steps: int) -> list[dict]:
-    """Generate and score this process's chunks; every process gets all samples back, each
-    with its scores, in plan order."""
-    from accelerate.utils import gather_object
-
-    from diffrl.sampling.rollout import rollout_independent
-
-    done = []
-    for chunk in chunks_of(samples, sampler.batch_size, acc.process_index, acc.num_processes):
-        prompts = [s["prompt"] for s in chunk]
-        cond = adapter.encode_prompts(prompts, one_by_one=True)  # the same embeddings on any layout
-        with acc.autocast():
-            traj = rollout_independent(
-                adapter, transformer, cond, [s["key"] for s in chunk], sampler, num_steps=num_steps,
-                kinds=["ode"] * num_steps,
-            )  # fmt: skip
-        _, _, logs = reward_fn(traj.images, prompts, {})
-        for j, sample in enumerate(chunk):
-            scores = {k: float(v[j]) for k, v in logs.items()}
-            done.append({k: v for k, v in sample.items() if k != "key"} | {"scores": scores})
-    merged = gather_object(done) if acc.num_processes > 1 else done
-    return sorted(merged, key=lambda s: (s["index"], s["seed"]))
+        {"index": x.sample.index, "prompt": x.sample.prompt, "group": x.sample.group, "seed": x.sample.seed,
+         "scores": x.scores}
+        for x in scored
+    ]  # fmt: skip
 
 
 # -- tables -----------------------------------------------------------------------------------
@@ -113,10 +105,7 @@ def _mean_se(values: list[float], prompt_index: list[int]) -> tuple[float, float
 
 def summarise(protocol: Protocol, samples: list[dict]) -> dict:
     """The protocol's table: ``{"rows": [[label, value, se or None, n]], "headline": ...}``."""
-    if protocol.name == "geneval":
-        return geneval_summary(samples)
-    keys = {"ocr": ("ocr", "ocr_exact")}.get(protocol.name) or _reward_keys(protocol, samples)
-    return means_summary(samples, keys)
+    return (protocol.table or _reward_means)(protocol, samples)
 
 
 def _reward_keys(protocol: Protocol, samples: list[dict]) -> tuple[str, ...]:

@@ -29,31 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrl.sampling.rollout import rollout_independent
-from diffrl.sampling.settings import SamplerSettings
+from diffrl.inference.generate import GenerationSettings, generate_and_score, plan_samples, scored_tensor
 
 DIVERSITY_SIZE = 64
-
-
-def eval_plan(
-    prompts: list[str], num_prompts: int, seeds: list[int], tag: str = "eval"
-) -> tuple[list[str], list[tuple]]:
-    """The first ``num_prompts`` prompts, each once per seed, with noise keys (tag, i, seed)."""
-    chosen = prompts[:num_prompts]
-    plan_prompts, keys = [], []
-    for i, prompt in enumerate(chosen):
-        for seed in seeds:
-            plan_prompts.append(prompt)
-            keys.append((tag, i, seed))
-    return plan_prompts, keys
-
-
-def spaced_subset(prompts: list[str], count: int) -> list[str]:
-    """``count`` prompts evenly spaced through ``prompts`` (all when count >= len): a fixed
-    subset that covers a file sorted by prompt type as well as a shuffled one."""
-    if count >= len(prompts):
-        return list(prompts)
-    return [prompts[(i * len(prompts)) // count] for i in range(count)]
 
 
 def standard_error(values: torch.Tensor, prompt_index: list[int]) -> float:
@@ -71,11 +49,6 @@ def standard_error(values: torch.Tensor, prompt_index: list[int]) -> float:
     )
     means = sums / counts
     return float(means.std(unbiased=True) / len(uniq) ** 0.5)
-
-
-def _pad_to_multiple(items: list, world: int) -> list:
-    missing = (-len(items)) % world
-    return items + items[-1:] * missing
 
 
 def thumbnails(images: torch.Tensor, size: int = DIVERSITY_SIZE) -> torch.Tensor:
@@ -113,29 +86,19 @@ class EvalSettings:
     """What an evaluation reads from the configuration, and nothing else."""
 
     num_prompts: int  # eval.num_prompts: held-out prompts per evaluation
-    seeds: int  # eval.seeds: samples per prompt
-    num_steps: int  # sampling.eval_num_steps, or sampling.num_steps when unset
-    sampler: SamplerSettings
+    seeds: list[int]  # eval.seeds: one sample per prompt and seed
+    generation: GenerationSettings  # the ODE sampler, its steps (sampling.eval_num_steps) and guidance
     sheet_reward: str  # the first reward's name: the score written under each sheet image
-    guidance_scale: float | None = None  # eval.guidance_scale: null samples with model.guidance_scale
 
     @classmethod
     def of(cls, cfg) -> EvalSettings:
         if isinstance(cfg, cls):
             return cfg
-        steps = cfg.sampling.eval_num_steps or cfg.sampling.num_steps
-        sampler = SamplerSettings.of(cfg).for_evaluation()
-        return cls(
-            cfg.eval.num_prompts, cfg.eval.seeds, steps, sampler, cfg.rewards[0].key, cfg.eval.guidance_scale
-        )
+        return cls(cfg.eval.num_prompts, cfg.eval.seeds, GenerationSettings.of(cfg), cfg.rewards[0].key)
 
 
-@torch.no_grad()
 def evaluate(
-    accelerator,
-    adapter,
-    transformer,
-    reward_fn,
+    session,
     prompts: list[str],
     settings,
     sheet_path=None,
@@ -144,35 +107,54 @@ def evaluate(
     media: dict | None = None,
 ) -> dict[str, float]:
     """Every reward score over ``prompts`` (the first ``num_prompts``, default
-    ``eval.num_prompts``) x ``eval.seeds``: ``<prefix>/<name>/mean`` and ``/se``,
-    ``<prefix>/n`` and ``<prefix>/diversity``. ``settings`` is an :class:`EvalSettings`
-    or a whole config. With ``sheet_path`` the main process also saves its first samples
-    (the fixed eval noise, so sheets of different steps line up) as a PNG, and with a
-    ``media`` dict it fills it with those samples for the trackers (:func:`sample_media`)."""
+    ``eval.num_prompts``) x ``eval.seeds``, sampled by ``session``'s policy
+    (:func:`~diffrl.inference.generate.generate_and_score`): ``<prefix>/<name>/mean`` and
+    ``/se``, ``<prefix>/n`` and ``<prefix>/diversity``. ``settings`` is an
+    :class:`EvalSettings` or a whole config. With ``sheet_path`` the main process also
+    saves the first samples (the fixed eval noise, so sheets of different steps line up)
+    as a PNG, and with a ``media`` dict it fills it with those samples for the trackers
+    (:func:`sample_media`)."""
     s = EvalSettings.of(settings)
     count = s.num_prompts if num_prompts is None else num_prompts
-    plan_prompts, keys = eval_plan(prompts, count, s.seeds, tag=prefix)
-    local_p, local_k = _process_share(accelerator, plan_prompts, keys)
-    with adapter.guidance_scale_as(s.guidance_scale), accelerator.autocast():
-        cond = adapter.encode_prompts(local_p)
-        traj = rollout_independent(
-            adapter, transformer, cond, local_k, s.sampler, num_steps=s.num_steps, kinds=["ode"] * s.num_steps
-        )
-    _, _, logs = reward_fn(traj.images, local_p, {"keys": local_k})
-    if sheet_path is not None and accelerator.is_main_process:
-        _save_sheet(sheet_path, traj.images, logs[s.sheet_reward], local_k, local_p)
-    if media is not None and accelerator.is_main_process:
-        media.update(sample_media(traj.images, logs, s.sheet_reward, local_k, local_p, sheet_path))
-    n = len(keys)
-    names = sorted(logs)
-    local = torch.stack([logs[k] for k in names], dim=1).to(accelerator.device)
-    # gathered rows past n are the padding that evened out the processes' shares
-    gathered = accelerator.gather(local)[:n].cpu()
-    prompt_index = [k[1] for k in keys]
-    out = _score_summary(prefix, names, gathered, prompt_index)
-    thumbs = accelerator.gather(thumbnails(traj.images).to(accelerator.device))[:n].cpu()
-    out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
+    samples = plan_samples(prompts[:count], s.seeds, prefix)
+    pictures = sheet_path is not None or media is not None
+    scored = generate_and_score(
+        session,
+        samples,
+        s.generation,
+        keep_image=lambda position: pictures and position < SHEET_SIZE,
+        thumbnail=thumbnails,
+    )
+    if pictures and session.acc.is_main_process:
+        _pictures(scored[:SHEET_SIZE], s.sheet_reward, sheet_path, media)
+    names = sorted(scored[0].scores)
+    prompt_index = [x.sample.index for x in scored]
+    out = _score_summary(prefix, names, scored_tensor(scored, names), prompt_index)
+    out[f"{prefix}/diversity"] = diversity(torch.stack([x.thumbnail for x in scored]), prompt_index)
     return out
+
+
+def evaluate_run(session, settings=None, sheet_path=None, media=None) -> dict[str, float]:
+    """A run's evaluation: the held-out prompts (``eval/``, with the sheet and the
+    trackers' media) and, if configured, the training subset (``eval_train/``)."""
+    settings = EvalSettings.of(session.cfg if settings is None else settings)
+    out = evaluate(session, session.eval_prompts, settings, sheet_path=sheet_path, media=media)
+    subset = session.train_eval_prompts
+    if subset:
+        out.update(evaluate(session, subset, settings, prefix="eval_train", num_prompts=len(subset)))
+    return out
+
+
+def _pictures(first, reward: str, sheet_path, media) -> None:
+    """The sheet and the trackers' media of the first samples (main process)."""
+    images = torch.stack([x.image for x in first])
+    logs = {name: torch.tensor([x.scores[name] for x in first]) for name in first[0].scores}
+    keys = [x.sample.key for x in first]
+    prompts = [x.sample.prompt for x in first]
+    if sheet_path is not None:
+        _save_sheet(sheet_path, images, logs[reward], keys, prompts)
+    if media is not None:
+        media.update(sample_media(images, logs, reward, keys, prompts, sheet_path))
 
 
 def sample_media(images, logs: dict, reward: str, keys, prompts, sheet=None, count: int = SHEET_SIZE) -> dict:
@@ -197,15 +179,6 @@ def sample_media(images, logs: dict, reward: str, keys, prompts, sheet=None, cou
         "scores": scores,
         "sheet": sheet,
     }
-
-
-def _process_share(accelerator, prompts: list[str], keys: list[tuple]):
-    """This process's contiguous slice of the evaluation, padded so every process runs
-    the same number of samples (gather needs equal shapes)."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    padded_p, padded_k = _pad_to_multiple(prompts, world), _pad_to_multiple(keys, world)
-    per = len(padded_k) // world
-    return padded_p[rank * per : (rank + 1) * per], padded_k[rank * per : (rank + 1) * per]
 
 
 def _save_sheet(path, images, scores, keys, prompts) -> None:

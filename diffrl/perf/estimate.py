@@ -211,8 +211,8 @@ def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding '{sharding}': use one of {', '.join(SHARDINGS)}")
     from diffrl.models import build_adapter
+    from diffrl.models.policy import Policy
     from diffrl.training.plan import derive
-    from diffrl.training.policy import Policy
 
     arch = arch_for(cfg.model.pretrained)
     if arch is None:

@@ -101,8 +101,8 @@ def _copy_vs_reference(precision: str, backend: str, device: torch.device) -> li
     scales may be taken over other groups, so the noise differs but its size should not)."""
     from diffrl.config import load_config
     from diffrl.models import build_adapter
+    from diffrl.models.policy import Policy
     from diffrl.precision.backends import build_exploration_copy
-    from diffrl.training.policy import Policy
 
     cfg = load_config("tiny_flux_flowgrpo")
     adapter = build_adapter(cfg.model)
@@ -329,8 +329,8 @@ def measure_precision(
     exists (the GPU suite writes it out at once)."""
     from diffrl.models import build_adapter
     from diffrl.models.loading import torch_dtype
+    from diffrl.models.policy import Policy
     from diffrl.perf import bench
-    from diffrl.training.policy import Policy
     from diffrl.training.setup import avoid_cudnn_attention
 
     emit = emit or (lambda key, value: None)

@@ -43,7 +43,7 @@ from diffrl.models import tiny
 from diffrl.models.toy import ToyPipeline, build_components
 from diffrl.toy import late_world, positions
 from diffrl.toy.recipe import SigmaDensity, Stage, parse_curriculum, parse_density, parse_weights, stage_at
-from diffrl.training.policy import EMA
+from diffrl.training.ema import EMA
 from rewards.shapeworld import grammar
 from rewards.shapeworld.render import corrupt, render
 

@@ -42,7 +42,7 @@ from diffrl.models.toy_video import ToyVideoPipeline, build_components
 from diffrl.toy.motion_probe import frame_coupling, motion_mass, sampled_motion
 from diffrl.toy.pretrain import check_resolution, noised, optimizer_step
 from diffrl.toy.recipe import SigmaDensity, Stage, parse_curriculum, parse_density, stage_at
-from diffrl.training.policy import EMA
+from diffrl.training.ema import EMA
 from rewards.shapeworld.video import DIRECTIONS, Motion, parse_motion, render_clip, video_split
 
 # The shipped recipe (issue 53): still clips at high noise (one object in the same place in

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
 import time
 from pathlib import Path
@@ -32,115 +31,20 @@ from safetensors.torch import load_file, save_file
 
 import diffrl
 from diffrl.config import save_config
+from diffrl.inference.checkpoints import (
+    CheckpointError,
+    checkpoint_problem,
+    checkpoint_root,
+    list_checkpoints,
+    model_settings_diff,
+    weights_mismatch,
+)
 from diffrl.runtime.sharding import is_sharded
-from rewards.errors import UserError
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-# what every checkpoint holds; checked by name when meta.json predates its file list
-REQUIRED = ("trainable.safetensors", "optimizer.bin", "random_states_0.pkl")
-
-
-class CheckpointError(UserError, RuntimeError):
-    pass
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
-
-
-def resolve_resume(spec: str, run_dir: Path, log=print) -> Path:
-    """``latest`` -> the newest *complete* checkpoint of the run (each damaged newer one is
-    skipped with a note saying why); otherwise a checkpoint path, which must be complete."""
-    if spec != "latest":
-        path = Path(spec)
-        problem = checkpoint_problem(path)
-        if problem:
-            raise CheckpointError(
-                f"--resume {spec}: {problem}; pass a complete checkpoint directory such as "
-                f"{checkpoint_root(run_dir)}/step-N, or --resume latest"
-            )
-        return path
-    latest = latest_complete(
-        run_dir, log=lambda path, problem: log(f"note: --resume latest skips {path}: {problem}")
-    )
-    if latest is not None:
-        return latest[1]
-    what = "no complete checkpoint" if list_checkpoints(run_dir) else "no checkpoints"
-    raise CheckpointError(
-        f"--resume latest: {what} under {checkpoint_root(run_dir)}; start over with --overwrite, "
-        "or pass a checkpoint directory"
-    )
-
-
-def latest_complete(run_dir: Path, log=None) -> tuple[int, Path] | None:
-    """(step, path) of the newest complete checkpoint of the run, or None; ``log(path,
-    problem)`` is told of each damaged newer one that was passed over."""
-    for step, path in reversed(list_checkpoints(run_dir)):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return step, path
-        if log is not None:
-            log(path, problem)
-    return None
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None if it is."""
-    path = Path(path)
-    if not path.is_dir():
-        return "not a directory"
-    if not any(path.iterdir()):
-        return "the directory is empty"
-    if not (path / "meta.json").is_file():
-        return "no meta.json (not a diffrl checkpoint, or its save was interrupted)"
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        int(meta["step"])
-    except (ValueError, KeyError, TypeError):
-        return "meta.json is damaged (not JSON with a 'step')"
-    files = meta.get("files") or {name: None for name in REQUIRED}
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if size is not None and f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} when it was saved (truncated or replaced)"
-    return safetensors_problem(path / "trainable.safetensors")
-
-
-def safetensors_problem(path: Path) -> str | None:
-    """Check a .safetensors file against its format: an 8-byte little-endian header length,
-    a JSON header of tensor byte ranges, then exactly the bytes those ranges cover."""
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            return f"{path.name} is truncated (no header)"
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            return f"{path.name} is truncated (its header says {n} bytes, {size - 8} follow)"
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError:
-            return f"{path.name} has a damaged header"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    expected = 8 + n + max(ends, default=0)
-    if size != expected:
-        return f"{path.name} has {size} bytes where its header needs {expected} (truncated?)"
-    return None
 
 
 def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0, ema=None) -> Path:
     """Collective: every process must call it (accelerate writes per-process RNG state).
-    With an ``ema`` (:class:`~diffrl.training.policy.EMA` of the trainable weights), its
+    With an ``ema`` (:class:`~diffrl.training.ema.EMA` of the trainable weights), its
     weights are the diffusers export and the trained ones go to ``raw/``."""
     root = checkpoint_root(cfg.run_dir)
     final = root / f"step-{step}"
@@ -240,49 +144,6 @@ def load_checkpoint(accelerator, policy, path: Path, model_cfg=None) -> int:
         ) from None
     policy.load_trainable_state_dict(state)
     return int(meta["step"])
-
-
-def weights_mismatch(saved: dict, current: dict) -> str | None:
-    """The first difference between saved and current trainable tensors, in words."""
-    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
-    if missing or unexpected:
-        return (
-            f"{len(missing)} of this run's trainable tensors are not in it and it has "
-            f"{len(unexpected)} this run "
-            f"lacks, e.g. '{(missing or unexpected)[0]}'"
-        )
-    for name in sorted(current):
-        if tuple(saved[name].shape) != tuple(current[name].shape):
-            return f"'{name}' is {list(saved[name].shape)} there and {list(current[name].shape)} here"
-    return None
-
-
-def model_settings_diff(saved_config: Path, model_cfg) -> str:
-    """'; model.lora.rank is 8 there and 16 here' for each model setting that differs."""
-    if model_cfg is None or not Path(saved_config).is_file():
-        return ""
-    import dataclasses
-
-    import yaml
-
-    saved = (yaml.safe_load(Path(saved_config).read_text()) or {}).get("model", {})
-    now = dataclasses.asdict(model_cfg)
-    diffs = []
-
-    def walk(a, b, prefix):
-        for key in sorted(set(a) | set(b)):
-            x, y = a.get(key), b.get(key)
-            if isinstance(x, dict) and isinstance(y, dict):
-                walk(x, y, f"{prefix}{key}.")
-            elif x != y:
-                diffs.append(f"{prefix}{key} is {x!r} there and {y!r} here")
-
-    walk(saved, now, "model.")
-    return (
-        ("; " + "; ".join(diffs[:4]) + "; resume with the checkpoint's model settings (its config.yaml)")
-        if diffs
-        else ""
-    )
 
 
 @contextlib.contextmanager

@@ -19,12 +19,11 @@ from tqdm.auto import tqdm
 from diffrl.algorithms import compute_advantages, get_objective
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
-from diffrl.data.prompts import check_image_column, load_prompts
-from diffrl.evaluation.scoring import EvalSettings, evaluate, spaced_subset
+from diffrl.evaluation.scoring import evaluate_run
 from diffrl.evaluation.summary import before_after
-from diffrl.models import adapter_class, build_adapter
+from diffrl.inference import checkpoints
+from diffrl.inference.session import Session
 from diffrl.precision.plan import PrecisionPlan
-from diffrl.runtime.attention import apply_attention_backend
 from diffrl.runtime.clock import StageClock
 from diffrl.runtime.compile import compiled
 from diffrl.runtime.sharding import max_over_processes, reshard, shard_frozen_copy
@@ -32,16 +31,15 @@ from diffrl.sampling import SamplerSettings, get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
+from diffrl.training.ema import EMA, OldPolicy
 from diffrl.training.metrics import MetricsLogger
 from diffrl.training.plan import derive, format_plan
-from diffrl.training.policy import EMA, OldPolicy, Policy
 from diffrl.training.rollouts import RolloutParts, rollout_stage
 from diffrl.training.setup import avoid_cudnn_attention, make_accelerator, make_lr_scheduler
 from diffrl.training.stages import Credit, Rollout
 from diffrl.training.tracking import init_trackers, log_evaluation_media
 from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
 from diffrl.training.watchdog import check_stalled, no_update_message
-from rewards.combine import MultiReward
 
 
 class Trainer:
@@ -49,7 +47,6 @@ class Trainer:
         self.cfg = cfg
         self.acc = accelerator or make_accelerator(cfg)
         avoid_cudnn_attention(self.acc.print)
-        self._load_inputs(cfg)  # first: bad prompts or rewards fail before any model is built
         self.strategy = get_strategy(cfg.rollout.strategy)
         self.sampler_settings = SamplerSettings.of(cfg)  # all a rollout strategy reads
         self.objective = get_objective(cfg.objective.name)
@@ -58,47 +55,23 @@ class Trainer:
         self._build_update_state(cfg)
         self.step = 0
 
-    def _load_inputs(self, cfg: Config) -> None:
-        """Prompts and rewards, each checked against the other."""
-        self.train_prompts = load_prompts(cfg.data.train_prompts)
-        evaluating = bool(cfg.eval.every or cfg.eval.at_start)
-        self.eval_prompts = self._eval_prompts(cfg) if evaluating else []
-        self.train_eval_prompts = (
-            spaced_subset(self.train_prompts, cfg.eval.train_num_prompts) if evaluating else []
-        )
-        edits = adapter_class(cfg.model.family).edits_images
-        check_image_column(self.train_prompts, cfg.data.train_prompts, cfg.model.family, edits)
-        check_image_column(self.eval_prompts, cfg.data.eval_prompts, cfg.model.family, edits)
-        self.reward_fn = MultiReward(cfg.rewards)
-        self.reward_fn.check_prompts(self.train_prompts, cfg.data.train_prompts)
-        self.reward_fn.check_prompts(self.eval_prompts, cfg.data.eval_prompts)
-
-    def _eval_prompts(self, cfg: Config) -> list[str]:
-        """The held-out prompts an evaluation scores: ``eval.num_prompts`` of the file, its
-        first ones or evenly spaced (``eval.subset``); asking for more than the file holds
-        scores them all, and says so once."""
-        prompts = load_prompts(cfg.data.eval_prompts)
-        wanted = cfg.eval.num_prompts
-        if wanted > len(prompts):
-            self.acc.print(
-                f"warning: eval.num_prompts is {wanted} but data.eval_prompts '{cfg.data.eval_prompts}' "
-                f"holds {len(prompts)}: every evaluation scores all {len(prompts)}"
-            )
-        return spaced_subset(prompts, wanted) if cfg.eval.subset == "spaced" else prompts
-
     def _build_policy(self, cfg: Config) -> None:
-        """The model, its trainable weights, the rollout handle, the optimizer and schedule."""
+        """The inference session (prompts, rewards, the policy), then what training adds:
+        the precision plan, the rollout handle, the optimizer and schedule."""
         # Under FSDP the transformer stays in host memory until prepare: fully_shard moves
         # it to the device one block at a time, as shards, and accelerate upcasts the
         # trainable shards; the frozen modules and the rewards follow after prepare, so
         # they are not on the device while it shards. Otherwise everything moves now.
         fsdp = self.acc.distributed_type == DistributedType.FSDP
-        self.adapter = build_adapter(cfg.model)
-        if not fsdp:
-            self.adapter.to(self.acc.device)
-            self.reward_fn.to(self.acc.device)
-        self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not fsdp)
-        apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
+        evaluating = bool(cfg.eval.every or cfg.eval.at_start)
+        # the prompts and rewards first: a bad file or reward fails before any model is built
+        prompts = ("train", "eval") if evaluating else ("train",)
+        self.session = Session(cfg, self.acc, prompts=prompts, keep_on_host=fsdp)
+        self.adapter, self.policy, self.reward_fn = (
+            self.session.adapter,
+            self.session.policy,
+            self.session.reward_fn,
+        )
         # the FP8 flow patches the policy's layers in place (before compilation, so that the
         # compiled blocks trace the patched forwards); Sol-RL's exploration copy is made from
         # the whole, unsharded weights (before prepare)
@@ -132,9 +105,9 @@ class Trainer:
 
     def _build_update_state(self, cfg: Config) -> None:
         """Counters, EMAs and the update stage; every piece of state a checkpoint holds is
-        registered here, in a fixed order (accelerate names their files by position)."""
+        registered here, in the order :data:`~diffrl.inference.checkpoints.REGISTERED` gives
+        (accelerate names their files by position; readers find the EMA by it)."""
         self.counters = UpdateCounters()
-        self.acc.register_for_checkpointing(self.scheduler)
         t = cfg.train
         self.ema = (
             EMA(
@@ -147,10 +120,6 @@ class Trainer:
             if t.ema_decay > 0
             else None
         )
-        self.acc.register_for_checkpointing(self.counters)
-        if self.ema is not None:
-            self.acc.register_for_checkpointing(self.ema)
-        ckpt.install_accelerate_hooks(self.acc)
         self.old_policy = None
         if self.objective.needs_old_policy:
             o = cfg.objective
@@ -160,7 +129,11 @@ class Trainer:
                 o.nft_old_decay_rate,
                 o.nft_old_decay_max,
             )
-            self.acc.register_for_checkpointing(self.old_policy)
+        state = {"scheduler": self.scheduler, "counters": self.counters, "ema": self.ema}
+        state["old_policy"] = self.old_policy
+        for name in checkpoints.registered(self.ema is not None, self.old_policy is not None):
+            self.acc.register_for_checkpointing(state[name])
+        ckpt.install_accelerate_hooks(self.acc)
         self.updater = Updater(
             self.acc,
             self.policy,
@@ -181,7 +154,7 @@ class Trainer:
             self.rollout_model,
             self.model,
             self.reward_fn,
-            self.train_prompts,
+            self.session.train_prompts,
             cfg.seed,
             cfg.rollout.prompts_per_step,
             cfg.rollout.group_size,
@@ -339,26 +312,22 @@ class Trainer:
         return metrics
 
     def evaluate(self) -> dict:
-        """Held-out prompts (``eval/``) and, if configured, the training subset (``eval_train/``)."""
-        settings = EvalSettings.of(self.cfg)
-        models = (self.acc, self.adapter, self.adapter.transformer, self.reward_fn)
+        """Held-out prompts (``eval/``) and, if configured, the training subset
+        (``eval_train/``), scored with the EMA weights when the run keeps an EMA."""
         ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
         with ctx:
             sheets = self.cfg.run_dir / "samples"
             if self.acc.is_main_process:
                 sheets.mkdir(parents=True, exist_ok=True)
-            sheet, media = sheets / f"step-{self.step}.png", {}
-            out = evaluate(*models, self.eval_prompts, settings, sheet_path=sheet, media=media)
+            media = {}
+            out = evaluate_run(self.session, sheet_path=sheets / f"step-{self.step}.png", media=media)
             log_evaluation_media(self.acc, self.step, media)
-            if self.train_eval_prompts:
-                subset, count = self.train_eval_prompts, len(self.train_eval_prompts)
-                out.update(evaluate(*models, subset, settings, prefix="eval_train", num_prompts=count))
         reshard(self.model)  # FSDP: drop the EMA weights the evaluation's forwards gathered
         return out
 
     # -- loop -----------------------------------------------------------------------------
     def resume(self, spec: str) -> None:
-        path = ckpt.resolve_resume(spec, self.cfg.run_dir, log=self.acc.print)
+        path = checkpoints.resolve_resume(spec, self.cfg.run_dir, log=self.acc.print)
         self.step = ckpt.load_checkpoint(self.acc, self.policy, path, self.cfg.model)
         self.acc.print(f"resumed from {path} at step {self.step}")
 
@@ -404,7 +373,7 @@ class Trainer:
         bar.close()
         self.acc.wait_for_everyone()
         self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
-        latest = ckpt.latest_complete(run_dir)
+        latest = checkpoints.latest_complete(run_dir)
         self.acc.print(closing_lines(run_dir, latest[1] if latest else None, cfg.train.ema_decay))
         self.acc.end_training()
         return history
@@ -430,7 +399,7 @@ class Trainer:
             return
         c.iterations_without_update += 1
         say(self.acc, no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
-        latest = ckpt.latest_complete(self.cfg.run_dir)
+        latest = checkpoints.latest_complete(self.cfg.run_dir)
         check_stalled(
             c.iterations_without_update,
             self.cfg.train.max_skipped_iterations,

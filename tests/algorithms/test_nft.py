@@ -9,7 +9,7 @@ import torch
 from diffrl.algorithms import get_objective
 from diffrl.algorithms.nft import optimality_probability
 from diffrl.algorithms.objective import LossContext, StepBatch
-from diffrl.training.policy import OldPolicy
+from diffrl.training.ema import OldPolicy
 
 
 def _setup(adv, beta=0.7, clip=2.0, weights=None):

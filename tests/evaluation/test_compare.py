@@ -17,7 +17,7 @@ from diffrl.data.prompts import PromptFileError
 from diffrl.evaluation.compare import CompareError, Tile
 from diffrl.evaluation.compare_report import GAP, GROUP_GAP, LABEL_H, grid_pages
 from diffrl.models import build_adapter
-from diffrl.training.policy import Policy
+from diffrl.models.policy import Policy
 from tests.helpers import load_script
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-from argparse import Namespace
 
 import pytest
 import torch
 
 from diffrl.evaluation import protocols as P
-from diffrl.evaluation.protocol_run import reward_specs, run
+from diffrl.evaluation.protocol_run import ProtocolRun, reward_specs, run
 from diffrl.models import tiny
 
 # ShapeWorld captions in GenEval's metadata format (the geneval reward's ShapeWorld twin
@@ -29,21 +28,10 @@ GENEVAL_LINES = [
 ]  # fmt: skip
 
 
-def _args(tmp_path, **kw) -> Namespace:
-    base = dict(
-        config="toy_flowgrpo",
-        checkpoint="base",
-        overrides=[],
-        protocol="shapeworld",
-        lora=None,
-        prompts=None,
-        limit=0,
-        images=0,
-        rewards=None,
-        reward_args=[],
-        out=str(tmp_path / "out"),
+def _args(tmp_path, **kw) -> ProtocolRun:
+    return ProtocolRun(
+        **{"protocol": "shapeworld", "config": "toy_flowgrpo", "out": str(tmp_path / "out"), **kw}
     )
-    return Namespace(**{**base, **kw})
 
 
 def test_genevals_summary_is_genevals_arithmetic():
@@ -78,13 +66,6 @@ def test_means_have_standard_errors_over_prompts_overall_and_by_group():
     assert rows["pickscore / Colors"][0] == pytest.approx(statistics.mean([0.2, 0.4, 0.9, 0.7]))
 
 
-def test_chunks_are_dealt_so_every_batch_is_one_process_s():
-    samples = list(range(11))
-    one = P.chunks_of(samples, 3, 0, 1)
-    dealt = [P.chunks_of(samples, 3, r, 2) for r in range(2)]
-    assert sorted(dealt[0] + dealt[1]) == one and dealt[0] == [one[0], one[2]]
-
-
 def test_reward_args_reach_the_protocol_s_rewards_and_bad_ones_are_one_line():
     specs = reward_specs(
         P.PROTOCOLS["geneval"], None, ["geneval.detector=shapeworld", "geneval.threshold=0.4"]
@@ -106,7 +87,7 @@ def test_the_geneval_protocol_end_to_end_on_the_toy(tmp_path):
         protocol="geneval",
         prompts=str(prompts),
         images=2,
-        reward_args=["geneval.detector=shapeworld"],
+        reward_args=("geneval.detector=shapeworld",),
     )
     result = run(args)
     samples = result["samples"]
@@ -173,8 +154,8 @@ def test_the_drawbench_protocol_gives_means_by_category_with_tiny_reward_twins(t
         tmp_path,
         protocol="drawbench",
         prompts=str(prompts),
-        rewards="pickscore,clipscore,aesthetic",
-        reward_args=reward_args,
+        rewards=("pickscore", "clipscore", "aesthetic"),
+        reward_args=tuple(reward_args),
     )
     result = run(args)
     rows = {r[0]: r[1:] for r in result["rows"]}
@@ -218,7 +199,7 @@ def _velocity(adapter, model):
 def test_a_peft_lora_scores_as_peft_itself_loads_it(tmp_path):
     from diffrl.config import load_config
     from diffrl.models.lora_files import load_outside_lora
-    from diffrl.training.policy import Policy
+    from diffrl.models.policy import Policy
 
     adapter, peft_model = _toy_peft_lora(tmp_path, rank=4, alpha=8.0)
     expected = _velocity(adapter, peft_model)

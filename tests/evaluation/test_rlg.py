@@ -9,7 +9,7 @@ import torch
 from diffrl.config import load_config
 from diffrl.evaluation.rlg import GuidedTransformer
 from diffrl.models import build_adapter
-from diffrl.training.policy import Policy
+from diffrl.models.policy import Policy
 
 
 def _lora_policy(name):

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from diffrl.evaluation.scoring import diversity, spaced_subset, standard_error, thumbnails
+from diffrl.data.prompts import spaced_subset
+from diffrl.evaluation.scoring import diversity, standard_error, thumbnails
 from diffrl.evaluation.summary import before_after
 
 

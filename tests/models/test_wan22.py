@@ -157,7 +157,7 @@ def test_an_exported_two_expert_lora_loads_back_into_a_policy(tmp_path):
     from diffrl.config import load_config
     from diffrl.evaluation.compare import load_weights
     from diffrl.models import build_adapter
-    from diffrl.training.policy import Policy
+    from diffrl.models.policy import Policy
 
     cfg = load_config("tiny_wan22_flowgrpo")
     trained = Policy(build_adapter(cfg.model), cfg.model, seed=0)

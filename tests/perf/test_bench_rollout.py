@@ -108,8 +108,8 @@ def test_fsdp_estimate_shards_the_transformer_state_and_adds_two_gathered_blocks
     moments, reference copy and EMA shadow, plus the largest block twice (current and
     prefetched unit) and its gradient; everything outside the transformer is unchanged."""
     from diffrl.models import build_adapter
+    from diffrl.models.policy import Policy
     from diffrl.perf.estimate import _memory_parts
-    from diffrl.training.policy import Policy
 
     cfg = tiny_cfg("flux", "model.full_finetune=true", "train.ema_decay=0.9")
     adapter = build_adapter(cfg.model)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from diffrl.models import build_adapter
+from diffrl.models.policy import Policy
 from diffrl.perf.estimate import fp8_training_bytes
-from diffrl.training.policy import Policy
 from tests.helpers import quick_config
 
 

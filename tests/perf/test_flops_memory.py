@@ -83,9 +83,9 @@ def test_model_flops_under_checkpointing_match_a_run_without_it(tiny_cfg):
     FLOPs equal a second count taken with checkpointing off, within the few layers
     outside the blocks (issue 37, defect 7)."""
     from diffrl.models import build_adapter
+    from diffrl.models.policy import Policy
     from diffrl.perf import bench
     from diffrl.perf.flops import count_flops, train_step_fn
-    from diffrl.training.policy import Policy
 
     cfg = tiny_cfg("flux")
     adapter = build_adapter(cfg.model)

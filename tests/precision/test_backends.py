@@ -13,6 +13,7 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.models import build_adapter
+from diffrl.models.policy import Policy
 from diffrl.precision import fake_fp8, fake_nvfp4
 from diffrl.precision.backends import (
     ConvAsLinear,
@@ -26,7 +27,6 @@ from diffrl.precision.backends import (
 from diffrl.precision.exploration import ExplorationCopy, merged_weight
 from diffrl.precision.formats import round_e4m3
 from diffrl.precision.keep_high import default_keep_high
-from diffrl.training.policy import Policy
 
 
 def _modelopt_imports() -> bool:

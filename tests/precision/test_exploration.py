@@ -6,9 +6,9 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.models import build_adapter
+from diffrl.models.policy import Policy
 from diffrl.precision import fake_nvfp4
 from diffrl.precision.exploration import ExplorationCopy, merged_weight
-from diffrl.training.policy import Policy
 
 
 def _policy(family="flux"):

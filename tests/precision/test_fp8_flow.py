@@ -13,10 +13,10 @@ from diffrl.algorithms.flow_grpo import flow_grpo_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.config import ConfigError
 from diffrl.models import build_adapter
+from diffrl.models.policy import Policy
 from diffrl.precision.formats import fake_fp8_cast
 from diffrl.precision.fp8_flow import Fp8Flow, _cast_args, build_precision_flow, effective_weight
 from diffrl.sampling.rollout import rollout_independent
-from diffrl.training.policy import Policy
 from tests.helpers import quick_config
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None

@@ -69,7 +69,9 @@ def _spied_run(trainer):
 
     stage.explorer, stage.regenerate, stage.reward_fn = spy_explorer, spy_regenerate, spy_reward
     cfg = trainer.cfg
-    plan = plan_step(trainer.train_prompts, cfg.seed, 0, cfg.rollout.prompts_per_step, cfg.solrl.pool_size)
+    plan = plan_step(
+        trainer.session.train_prompts, cfg.seed, 0, cfg.rollout.prompts_per_step, cfg.solrl.pool_size
+    )
     cond = trainer.adapter.encode_prompts(plan.prompts)
     out = stage.run(trainer.adapter, trainer.adapter.transformer, cond, plan.prompts, plan.keys, 0)
     return out, seen, plan, cond

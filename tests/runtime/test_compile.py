@@ -83,7 +83,7 @@ def test_compiled_rollouts_match_eager_and_follow_weight_updates(tiny_cfg, scope
     copy (which carries no compiled calls)."""
     import copy
 
-    from diffrl.training.policy import Policy
+    from diffrl.models.policy import Policy
 
     cfg = tiny_cfg("flux", "perf.compile_rollout=true", f"perf.compile_scope={scope}")
     adapter = build_adapter(cfg.model)
@@ -114,7 +114,7 @@ def test_by_block_rollouts_leave_the_training_forward_eager(tiny_cfg):
     policy compiled for rollouts runs eagerly and gives eager's gradients."""
     import copy
 
-    from diffrl.training.policy import Policy
+    from diffrl.models.policy import Policy
 
     cfg = tiny_cfg("flux", "perf.compile_rollout=true", "perf.compile_scope=blocks")
     adapter = build_adapter(cfg.model)

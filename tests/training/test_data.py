@@ -155,39 +155,3 @@ def test_unreadable_input_image_is_one_clear_error(tmp_path):
         load_image(tmp_path / "bad.png")
     image = load_image(_edit_file(tmp_path, "").parent / "in" / "a.png", size=(4, 6))
     assert image.shape == (3, 4, 6) and torch.allclose(image[0], torch.ones(4, 6))
-
-
-def test_more_evaluation_prompts_than_the_file_holds_is_said_once(tmp_path):
-    """eval.num_prompts beyond the file: every evaluation scores all of it, and the run
-    says so at start-up instead of cutting silently."""
-    from diffrl.training.trainer import Trainer
-    from tests.helpers import quick_config
-
-    cfg = quick_config(
-        "tiny_flux_flowgrpo", tmp_path, "eval.every=1", "eval.num_prompts=64", "train.max_steps=0"
-    )
-    lines = []
-    trainer = Trainer.__new__(Trainer)
-    trainer.acc = type("Acc", (), {"print": staticmethod(lines.append)})()
-    prompts = trainer._eval_prompts(cfg)
-    assert len(prompts) == 4 and lines == [
-        "warning: eval.num_prompts is 64 but data.eval_prompts 'assets/prompts/tiny_eval.txt' holds 4: "
-        "every evaluation scores all 4"
-    ]
-
-
-def test_a_spaced_evaluation_subset_covers_a_file_sorted_by_category(tmp_path):
-    from diffrl.training.trainer import Trainer
-    from tests.helpers import quick_config
-
-    styles = [f"{style} prompt {i}" for style in ("anime", "art", "paint", "photo") for i in range(10)]
-    (tmp_path / "bench.json").write_text(__import__("json").dumps(styles))
-    common = ["eval.every=1", "eval.num_prompts=4", f"data.eval_prompts={tmp_path / 'bench.json'}"]
-    trainer = Trainer.__new__(Trainer)
-    trainer.acc = type("Acc", (), {"print": staticmethod(lambda _: None)})()
-    spaced = trainer._eval_prompts(
-        quick_config("tiny_flux_flowgrpo", tmp_path, *common, "eval.subset=spaced")
-    )
-    assert spaced == ["anime prompt 0", "art prompt 0", "paint prompt 0", "photo prompt 0"]
-    first = trainer._eval_prompts(quick_config("tiny_flux_flowgrpo", tmp_path, *common))
-    assert first[:4] == styles[:4]  # first: the file as it is (the evaluation takes the first 4)

@@ -2,7 +2,7 @@
 
 import torch
 
-from diffrl.training.policy import EMA
+from diffrl.training.ema import EMA
 
 
 def _run(warmup: bool, values):

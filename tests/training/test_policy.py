@@ -6,7 +6,7 @@ import torch
 
 from diffrl.config import ConfigError
 from diffrl.models import build_adapter
-from diffrl.training.policy import Policy
+from diffrl.models.policy import Policy
 from diffrl.training.trainer import Trainer
 
 BF16_FULL = ("model.dtype=bfloat16", "model.full_finetune=true", "train.mixed_precision=bf16")

@@ -7,8 +7,8 @@ import torch
 from diffrl.algorithms.flow_grpo import flow_grpo_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
 from diffrl.models import build_adapter
+from diffrl.models.policy import Policy
 from diffrl.sampling.rollout import rollout_independent
-from diffrl.training.policy import Policy
 from tests.conftest import FAMILIES
 from tests.helpers import family_prompts
 

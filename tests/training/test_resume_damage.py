@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from diffrl.cli import main
 from diffrl.config import load_config
-from diffrl.training.checkpoint import CheckpointError, checkpoint_problem, safetensors_problem
+from diffrl.inference.checkpoints import CheckpointError, checkpoint_problem, safetensors_problem
 from diffrl.training.trainer import Trainer
 
 QUICK = ["eval.every=0", "checkpoint.every=1", "checkpoint.keep=0", "logging.progress_bar=false"]

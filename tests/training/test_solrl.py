@@ -21,7 +21,9 @@ def _cfg(name, tmp_path, *overrides):
 
 def _stage_run(trainer, step=0):
     cfg = trainer.cfg
-    plan = plan_step(trainer.train_prompts, cfg.seed, step, cfg.rollout.prompts_per_step, cfg.solrl.pool_size)
+    plan = plan_step(
+        trainer.session.train_prompts, cfg.seed, step, cfg.rollout.prompts_per_step, cfg.solrl.pool_size
+    )
     cond = trainer.adapter.encode_prompts(plan.prompts)
     stage = trainer.precision.solrl
     with torch.no_grad():

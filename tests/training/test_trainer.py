@@ -185,8 +185,8 @@ def test_evaluation_keys_and_fixed_seeds(tiny_cfg):
         "eval_train/jpeg_incompressibility/mean",
         "eval_train/jpeg_incompressibility/se",
     }
-    assert first["eval/n"] == 2 * min(trainer.cfg.eval.num_prompts, len(trainer.eval_prompts))
-    assert first["eval_train/n"] == 2 * 3 and len(trainer.train_eval_prompts) == 3
+    assert first["eval/n"] == 2 * min(trainer.cfg.eval.num_prompts, len(trainer.session.eval_prompts))
+    assert first["eval_train/n"] == 2 * 3 and len(trainer.session.train_eval_prompts) == 3
     assert first["eval_train/jpeg_incompressibility/mean"] != first["eval/jpeg_incompressibility/mean"]
     assert trainer.evaluate() == first  # same noise, same weights -> same scores
 
