@@ -355,7 +355,7 @@ def test_fsdp_over_two_gloo_processes_equals_one_process_and_resumes_exactly(tmp
     and evaluating with the EMA (both swap weights into the sharded transformer) equals
     one process over the same samples; a run resumed from its step-1 checkpoint ends on
     the same weights; checkpoints hold the gathered trainable weights, not the model."""
-    nft = ["train.max_steps=2", "checkpoint.every=1", "objective.name=nft", "objective.nft_sample_with=old"]
+    nft = ["train.max_steps=2", "checkpoint.every=1", "objective.name=nft", "objective.args.sample_with=old"]
     nft.append("train.ema_decay=0.9")
     _train(1, tmp_path / "one", *nft)
     fsdp = _train(2, tmp_path / "fsdp", *nft, **FSDP_ENV)

@@ -235,7 +235,9 @@ def test_nft_loss_matches_the_diffusionnft_training_loop(case):
     v, v_old, v_ref = (tensor(inp[k]).float() for k in ("v_theta_values", "v_old_values", "v_ref_values"))
     ref = fix["reference"]
     ocfg = SimpleNamespace(
-        nft_beta=fix["beta"], adv_clip_max=fix["adv_clip_max"], kl_coef=fix["kl_coef_train_beta"]
+        args=SimpleNamespace(beta=fix["beta"]),
+        adv_clip_max=fix["adv_clip_max"],
+        kl_coef=fix["kl_coef_train_beta"],
     )
     for i, t in enumerate(fix["t"]):  # one pass per sample: a pass has one sigma
         row = slice(i, i + 1)
@@ -323,9 +325,12 @@ NEW = load("new_objectives.json")
 
 
 def _objective_cfg(**kw):
+    """The objective section the losses read; ``objective.args`` keys (kl_threshold,
+    huber_power, advantage_max, ema_beta, beta) go to its ``args``."""
     base = dict(clip_range=0.2, adv_clip_max=5.0, kl_coef=0.0, kl_type="exact", logprob_reduction="mean")
-    base.update(dict(dppo_kl_threshold=1e-5, awm_huber_power=0.25, awm_advantage_max=1.0, awm_ema_beta=0.0))
-    return SimpleNamespace(**{**base, "dgpo_beta": 10.0, **kw})
+    args = dict(kl_threshold=1e-5, huber_power=0.25, advantage_max=1.0, ema_beta=0.0, beta=10.0)
+    args.update({k: kw.pop(k) for k in list(kw) if k in args})
+    return SimpleNamespace(**{**base, **kw}, args=SimpleNamespace(**args))
 
 
 def _transition_batch():
@@ -371,7 +376,7 @@ def test_flow_dppo_loss_matches_unirl(case):
     from diffrl.algorithms.objective import LossContext
 
     batch, v_new, level = _transition_batch()
-    ctx = LossContext(lambda *_: v_new, None, _objective_cfg(dppo_kl_threshold=case["threshold"]), level)
+    ctx = LossContext(lambda *_: v_new, None, _objective_cfg(kl_threshold=case["threshold"]), level)
     loss, stats = get_objective("flow_dppo")(ctx, batch)
     assert loss.item() == pytest.approx(case["loss"], rel=1e-5, abs=1e-8)
 
@@ -412,7 +417,7 @@ def test_dgpo_loss_and_gradient_match_the_reference(case):
         forward_noise=target,
         groups=torch.tensor(i["groups"]),
     )
-    ctx = LossContext(lambda *_: v, lambda *_: v_ref, _objective_cfg(dgpo_beta=case["beta"]), 0.7)
+    ctx = LossContext(lambda *_: v, lambda *_: v_ref, _objective_cfg(beta=case["beta"]), 0.7)
     loss, _ = get_objective("dgpo")(ctx, batch)
     loss.backward()
     assert loss.item() == pytest.approx(case["loss"], rel=1e-10)

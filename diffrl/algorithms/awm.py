@@ -17,11 +17,11 @@ where the likelihood ratio of flow-GRPO's SDE transitions does not, hence its re
 24-34x speed-up over Flow-GRPO. Two velocity penalties keep it near where it started:
 
     + kl_coef * mean (v_theta - v_ref)^2       (the base model, LoRA off)
-    + awm_ema_beta * mean (v_theta - v_ema)^2   (an EMA of the policy)
+    + ema_beta * mean (v_theta - v_ema)^2       (an EMA of the policy)
 
 The EMA is the trainer's old policy (:class:`diffrl.training.ema.OldPolicy`), whose
-decay min(nft_old_decay_max, nft_old_decay_rate * step) is AWM's
-min(0.3, 0.001 * global_step) with ``nft_old_decay_max: 0.3``; it is checkpointed, so a
+decay min(old_decay_max, old_decay_rate * step) is AWM's
+min(0.3, 0.001 * global_step) with ``objective.args.old_decay_max: 0.3``; it is checkpointed, so a
 resumed run continues with the same anchor.
 
 Reference: scxue/advantage_weighted_matching, ``scripts/train_sd3_awm.py``
@@ -35,11 +35,14 @@ Sol-RL's regenerated subsets.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diffrl.algorithms.objective import (
     LossContext,
     Objective,
+    OldPolicyArgs,
     StepBatch,
     add_penalty,
     masked_mean,
@@ -48,6 +51,34 @@ from diffrl.algorithms.objective import (
     register_objective,
     velocity_gap,
 )
+from diffrl.schema import ConfigError, setting
+
+
+@dataclass(frozen=True)
+class AwmArgs(OldPolicyArgs):
+    """AWM's parameters (``objective.args``): its surrogate's power, the advantages' range,
+    the EMA anchor's weight, and the EMA's decay schedule (:class:`OldPolicyArgs`; AWM's
+    reference: rate 0.001, max 0.3)."""
+
+    huber_power: float = setting(
+        0.25,
+        "Power p of the generalised-Huber surrogate log-likelihood -(t/p)((l+1e-10)^p - 1e-10^p) "
+        "of the per-sample flow-matching error l; 1 gives -t l.",
+    )
+    advantage_max: float = setting(
+        1.0, "Clipped advantages are rescaled from [-adv_clip_max, adv_clip_max] to this range."
+    )
+    ema_beta: float = setting(
+        1.0, "Weight of mean ||v_theta - v_ema||^2, the EMA anchor (its schedule: old_decay_*)."
+    )
+
+    def check(self) -> None:
+        super().check()
+        for key in ("huber_power", "advantage_max"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"objective.args.{key} must be > 0, got {getattr(self, key)}")
+        if self.ema_beta < 0:
+            raise ConfigError(f"objective.args.ema_beta must be >= 0, got {self.ema_beta}")
 
 
 def huber_log_likelihood(error: torch.Tensor, t: torch.Tensor, power: float) -> torch.Tensor:
@@ -71,25 +102,26 @@ def awm_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     ocfg = ctx.objective_cfg
     sigma_b = batch.sigma.expand(batch.x_t.shape[0])
     v_ema = None
-    if ocfg.awm_ema_beta > 0 and ctx.old_velocity is not None:
+    args = ocfg.args
+    if args.ema_beta > 0 and ctx.old_velocity is not None:
         with torch.no_grad():  # first: the EMA is swapped into the live weights
             v_ema = ctx.old_velocity(batch.x_t, sigma_b, batch.cond).detach()
     v = ctx.policy_velocity(batch.x_t, sigma_b, batch.cond)
     target = (batch.forward_noise - batch.x0).to(v.dtype)
     error = per_sample_mean((v - target) ** 2)
-    log_p = huber_log_likelihood(error, batch.sigma, ocfg.awm_huber_power)
-    adv = scaled_advantages(batch.advantages.to(v.dtype), ocfg.adv_clip_max, ocfg.awm_advantage_max)
+    log_p = huber_log_likelihood(error, batch.sigma, args.huber_power)
+    adv = scaled_advantages(batch.advantages.to(v.dtype), ocfg.adv_clip_max, args.advantage_max)
     w = batch.weights
     policy_loss = masked_mean(-adv * torch.exp(log_p - log_p.detach()), w)
     stats = {"policy_loss": policy_loss.detach(), "awm/fm_error": masked_mean(error.detach(), w)}
     loss = policy_loss
     if v_ema is not None:
-        loss = add_penalty(loss, stats, "awm/ema_kl", velocity_gap(v, v_ema, w), ocfg.awm_ema_beta)
+        loss = add_penalty(loss, stats, "awm/ema_kl", velocity_gap(v, v_ema, w), args.ema_beta)
     if ocfg.kl_coef > 0 and ctx.reference_velocity is not None:
         loss = add_penalty(loss, stats, "kl", reference_velocity_gap(ctx, batch, v), ocfg.kl_coef)
     stats["loss"] = loss.detach()
     return loss, stats
 
 
-AWM = Objective("awm", awm_loss, trains_on="clean_samples", needs_old_policy=True)
+AWM = Objective("awm", awm_loss, trains_on="clean_samples", needs_old_policy=True, args=AwmArgs)
 register_objective(AWM)

@@ -40,6 +40,8 @@ subsets, the set-against-set split DGPO is built on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,18 @@ from diffrl.algorithms.objective import (
     register_objective,
     velocity_gap,
 )
+from diffrl.schema import ConfigError, setting
+
+
+@dataclass(frozen=True)
+class DgpoArgs:
+    """DGPO's parameter (``objective.args``)."""
+
+    beta: float = setting(100.0, "Beta of the group preference log-sigmoid.")
+
+    def check(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"objective.args.beta must be > 0, got {self.beta}")
 
 
 def group_logits(advantages, delta, groups, beta: float) -> torch.Tensor:
@@ -80,7 +94,7 @@ def dgpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[st
     error_ref = per_sample_mean((v_ref - target) ** 2)
     w = batch.weights if batch.weights is not None else torch.ones_like(error)
     adv = torch.clamp(batch.advantages.to(v.dtype), -ocfg.adv_clip_max, ocfg.adv_clip_max) * w
-    logits = group_logits(adv, (error - error_ref).detach(), batch.groups, ocfg.dgpo_beta)
+    logits = group_logits(adv, (error - error_ref).detach(), batch.groups, ocfg.args.beta)
     policy_loss = masked_mean(torch.sigmoid(logits) * adv * error, batch.weights)
     stats = {
         "policy_loss": policy_loss.detach(),
@@ -95,5 +109,5 @@ def dgpo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[st
     return loss, stats
 
 
-DGPO = Objective("dgpo", dgpo_loss, trains_on="clean_samples", whole_groups=True)
+DGPO = Objective("dgpo", dgpo_loss, trains_on="clean_samples", whole_groups=True, args=DgpoArgs)
 register_objective(DGPO)

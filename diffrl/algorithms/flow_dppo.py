@@ -10,7 +10,7 @@ Gaussian transitions sharing their std s:
     L = mean_i( -A rho [not drop] )
 
 The mask (detached) removes a transition's gradient once the policy has moved more
-than ``objective.dppo_kl_threshold`` (tau) away from the rollout *and* the ratio keeps
+than ``objective.args.kl_threshold`` (tau) away from the rollout *and* the ratio keeps
 moving the way the advantage pushes it; moves back toward the old policy stay. Unlike
 the PPO clip, the trust region is measured by the divergence of the two transitions,
 not by the ratio of one sampled point, which the paper argues is the noisy quantity that
@@ -27,6 +27,8 @@ trees (per edge) and Sol-RL's regenerated subsets.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diffrl.algorithms.flow_grpo import reference_kl, rescored
@@ -39,6 +41,22 @@ from diffrl.algorithms.objective import (
     register_objective,
 )
 from diffrl.sampling.sde import gaussian_kl
+from diffrl.schema import ConfigError, setting
+
+
+@dataclass(frozen=True)
+class FlowDppoArgs:
+    """Flow-DPPO's parameter (``objective.args``)."""
+
+    kl_threshold: float = setting(
+        1e-5,
+        "A transition whose per-dimension KL(old || new) reaches this is masked when its ratio "
+        "moves further in the advantage's direction.",
+    )
+
+    def check(self) -> None:
+        if not self.kl_threshold > 0:
+            raise ConfigError(f"objective.args.kl_threshold must be > 0, got {self.kl_threshold}")
 
 
 def divergence_mask(divergence, ratio, advantages, threshold: float) -> torch.Tensor:
@@ -58,7 +76,7 @@ def flow_dppo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     ratio = torch.exp(log_ratio)
     divergence = gaussian_kl(new.mean.detach(), batch.old_mean, new.std, new.std_t, "exact", "mean")
     adv = batch.advantages
-    keep = divergence_mask(divergence, ratio.detach(), adv, ocfg.dppo_kl_threshold)
+    keep = divergence_mask(divergence, ratio.detach(), adv, ocfg.args.kl_threshold)
     w = batch.weights
     # where, not a product: an overflowing ratio times a zero mask would be NaN
     policy_loss = masked_mean(torch.where(keep, -adv * ratio, torch.zeros_like(ratio)), w)
@@ -76,5 +94,5 @@ def flow_dppo_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, di
     return loss, stats
 
 
-FLOW_DPPO = Objective("flow_dppo", flow_dppo_loss, trains_on="transitions")
+FLOW_DPPO = Objective("flow_dppo", flow_dppo_loss, trains_on="transitions", args=FlowDppoArgs)
 register_objective(FLOW_DPPO)

@@ -30,7 +30,7 @@ schedule (in optimizer steps) match its outputs to fp32 rounding
 reference:
 
 * the reference samples rollouts with the old (EMA) weights; we sample with the trained
-  ones unless ``objective.nft_sample_with: old`` (they agree while the decay is 0);
+  ones unless ``objective.args.sample_with: old`` (they agree while the decay is 0);
 * zero-variance groups (all rewards equal, r = 1/2) are dropped by our default
   ``advantage.filter_zero_std: true``; the reference keeps them, where they pull
   v_theta toward v_old (set it false to match);
@@ -45,11 +45,15 @@ reference:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 from diffrl.algorithms.objective import (
     LossContext,
     Objective,
+    OldPolicyArgs,
     StepBatch,
     add_penalty,
     masked_mean,
@@ -57,6 +61,25 @@ from diffrl.algorithms.objective import (
     reference_velocity_gap,
     register_objective,
 )
+from diffrl.schema import ConfigError, setting
+
+
+@dataclass(frozen=True)
+class NftArgs(OldPolicyArgs):
+    """DiffusionNFT's parameters (``objective.args``): the step of its implicit policies,
+    which weights roll out, and its old policy's decay (:class:`OldPolicyArgs`)."""
+
+    beta: float = setting(1.0, "Step size beta of the implicit positive/negative policies.")
+    sample_with: Literal["current", "old"] = setting(
+        "current",
+        "Roll out with the trained weights ('current') or with the old policy's ('old', as the "
+        "reference does; not with Sol-RL, whose exploration copy follows the trained weights).",
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.beta <= 0:
+            raise ConfigError(f"objective.args.beta must be > 0, got {self.beta}")
 
 
 def _adaptive_x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -78,7 +101,7 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
             "the nft objective needs clean latents and an old policy (the updater provides both)"
         )
     ocfg = ctx.objective_cfg
-    beta, clip = ocfg.nft_beta, ocfg.adv_clip_max
+    beta, clip = ocfg.args.beta, ocfg.adv_clip_max
     b = batch.x_t.shape[0]
     sigma_b = batch.sigma.expand(b)
     t = batch.sigma.reshape(1, *[1] * (batch.x_t.dim() - 1))
@@ -106,5 +129,5 @@ def nft_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str
     return loss, stats
 
 
-NFT = Objective("nft", nft_loss, trains_on="clean_samples", needs_old_policy=True)
+NFT = Objective("nft", nft_loss, trains_on="clean_samples", needs_old_policy=True, args=NftArgs)
 register_objective(NFT)

@@ -15,7 +15,10 @@ EMA anchor). ``whole_groups`` asks for passes that hold whole prompt groups, noi
 one draw per group (DGPO's group-level preference needs every member at once).
 ``strategies`` lists what the objective supports among independent rollouts, trees and
 Sol-RL's regenerated subsets ("solrl"); a clean-sample objective trains a tree's leaves,
-grouped by tree (the tree's per-node credit is then unused).
+grouped by tree (the tree's per-node credit is then unused). ``args`` is the dataclass of
+the objective's own parameters, declared in its module with a help text per field and a
+``check()`` of their ranges; the config's ``objective.args`` mapping is read into it, as
+a reward's ``args`` into its constructor, and losses read it as ``ctx.objective_cfg.args``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,38 @@ from typing import Literal
 import torch
 
 from diffrl.models.base import Conditioning
+from diffrl.schema import ConfigError, setting
 from rewards.registry import Registry
+
+
+@dataclass(frozen=True)
+class NoArgs:
+    """The parameters of an objective that has none of its own (``objective.args: {}``)."""
+
+    def check(self) -> None:
+        """Each objective's parameters check their own ranges, naming ``objective.args.KEY``."""
+
+
+@dataclass(frozen=True)
+class OldPolicyArgs:
+    """The old policy's decay schedule, an EMA of the trained weights whose decay ramps with
+    the optimizer steps s: 0 while s < old_decay_flat, then min(old_decay_rate *
+    (s - old_decay_flat), old_decay_max) (NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py:
+    return_decay``; AWM's EMA with max 0.3). Shared by the objectives that need an old policy."""
+
+    old_decay_flat: int = setting(
+        0, "Old policy: optimizer steps with decay 0 (old = current) before the ramp."
+    )
+    old_decay_rate: float = setting(
+        0.001, "Old policy: the decay grows by this per optimizer step after the flat part."
+    )
+    old_decay_max: float = setting(0.5, "Old policy: the decay stops growing here.")
+
+    def check(self) -> None:
+        if self.old_decay_flat < 0 or self.old_decay_rate < 0 or not 0 <= self.old_decay_max < 1:
+            raise ConfigError(
+                "objective.args.old_decay_flat and old_decay_rate must be >= 0, old_decay_max in [0, 1)"
+            )
 
 
 @dataclass
@@ -107,6 +141,7 @@ class Objective:
     needs_old_policy: bool = False
     whole_groups: bool = False
     strategies: tuple[str, ...] = ("independent", "tree", "solrl")
+    args: type = NoArgs  # the dataclass of its own parameters, read from objective.args
 
     @property
     def forward_process(self) -> bool:

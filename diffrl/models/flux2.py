@@ -166,7 +166,7 @@ class Flux2Adapter(PackedLatentAdapter):
         super().__init__(pipe, model_cfg)
         if pipe.config.get("is_distilled", False) and model_cfg.guidance_scale > 1:
             # the pipeline would silently ignore it, and the run plan would count CFG forwards
-            from diffrl.config import ConfigError
+            from diffrl.schema import ConfigError
 
             raise ConfigError(
                 f"model '{model_cfg.pretrained}' is step-distilled and ignores CFG, but model.guidance_scale "

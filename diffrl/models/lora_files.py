@@ -25,7 +25,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from diffrl.config import ConfigError
+from diffrl.schema import ConfigError
 
 ADAPTER = "outside"  # the adapter name an outside LoRA is loaded under
 PEFT_PREFIX = "base_model.model."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrl.config import ConfigError
+from diffrl.schema import ConfigError
 
 
 def apply_attention_backend(transformer: torch.nn.Module, name: str | None) -> None:

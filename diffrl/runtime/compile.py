@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrl.config import ConfigError
+from diffrl.schema import ConfigError
 
 
 class CompiledOrEager:

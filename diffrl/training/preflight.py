@@ -82,7 +82,7 @@ def pipeline_components(family: str) -> list[str]:
 
 
 def model_needs(cfg) -> list[Need]:
-    from diffrl.config_checks import is_real_model
+    from diffrl.data.checks import is_real_model
 
     m = cfg.model
     if not is_real_model(m.pretrained):

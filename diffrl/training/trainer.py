@@ -122,12 +122,9 @@ class Trainer:
         )
         self.old_policy = None
         if self.objective.needs_old_policy:
-            o = cfg.objective
+            a = cfg.objective.args  # the objective's OldPolicyArgs
             self.old_policy = OldPolicy(
-                self.policy.trainable_parameters(),
-                o.nft_old_decay_flat,
-                o.nft_old_decay_rate,
-                o.nft_old_decay_max,
+                self.policy.trainable_parameters(), a.old_decay_flat, a.old_decay_rate, a.old_decay_max
             )
         state = {"scheduler": self.scheduler, "counters": self.counters, "ema": self.ema}
         state["old_policy"] = self.old_policy
@@ -159,7 +156,7 @@ class Trainer:
             cfg.rollout.prompts_per_step,
             cfg.rollout.group_size,
         )
-        # DiffusionNFT's reference samples with its old (EMA) policy: objective.nft_sample_with old
+        # DiffusionNFT's reference samples with its old (EMA) policy: objective.args.sample_with old
         old = self.old_policy.swapped_in if self.samples_with_old_policy() else None
         self.rollouts = rollout_stage(parts, self.precision, self.strategy, self.sampler_settings, old)
 
@@ -170,7 +167,9 @@ class Trainer:
         return self.rollouts(step)
 
     def samples_with_old_policy(self) -> bool:
-        return self.old_policy is not None and self.cfg.objective.nft_sample_with == "old"
+        """DiffusionNFT's ``objective.args.sample_with: old``: roll out with the old policy."""
+        sample_with = getattr(self.cfg.objective.args, "sample_with", "current")
+        return self.old_policy is not None and sample_with == "old"
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate ``t`` over processes along dim 0; lengths may differ (Sol-RL

@@ -22,19 +22,11 @@ SIGMA, SIGMA_NEXT, LEVEL = 0.7, 0.5, 0.7
 
 
 def _ocfg(**kw):
-    base = dict(
-        clip_range=0.2,
-        adv_clip_max=5.0,
-        kl_coef=0.0,
-        kl_type="exact",
-        logprob_reduction="mean",
-        dppo_kl_threshold=1e-3,
-        awm_huber_power=0.25,
-        awm_advantage_max=1.0,
-        awm_ema_beta=0.0,
-        dgpo_beta=10.0,
-    )
-    return SimpleNamespace(**{**base, **kw})
+    """The objective section the losses read; ``objective.args`` keys go to its ``args``."""
+    base = dict(clip_range=0.2, adv_clip_max=5.0, kl_coef=0.0, kl_type="exact", logprob_reduction="mean")
+    args = dict(kl_threshold=1e-3, huber_power=0.25, advantage_max=1.0, ema_beta=0.0, beta=10.0)
+    args.update({k: kw.pop(k) for k in list(kw) if k in args})
+    return SimpleNamespace(**{**base, **kw}, args=SimpleNamespace(**args))
 
 
 def _transition(seed=0, rows=3, dims=8):
@@ -187,7 +179,7 @@ def test_awm_gradient_is_minus_scaled_advantage_times_the_surrogate_gradient():
 def test_awm_ema_and_reference_penalties_are_zero_when_nothing_moved():
     batch = _clean_batch([1.0, -1.0, 0.5, -0.5])
     _, policy = _linear_policy()
-    ctx = LossContext(policy, policy, _ocfg(awm_ema_beta=1.0, kl_coef=0.1), LEVEL, old_velocity=policy)
+    ctx = LossContext(policy, policy, _ocfg(ema_beta=1.0, kl_coef=0.1), LEVEL, old_velocity=policy)
     _, stats = get_objective("awm")(ctx, batch)
     assert stats["awm/ema_kl"].item() == 0 and stats["kl"].item() == 0
 
@@ -210,7 +202,7 @@ def test_dgpo_surrogate_has_the_gradient_of_the_group_preference_loss():
     w, policy = _linear_policy()
     ref = lambda x, s, c: 0.6 * x  # noqa: E731
     beta = 10.0
-    loss, stats = get_objective("dgpo")(LossContext(policy, ref, _ocfg(dgpo_beta=beta), LEVEL), batch)
+    loss, stats = get_objective("dgpo")(LossContext(policy, ref, _ocfg(beta=beta), LEVEL), batch)
     loss.backward()
     wd = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
     x, u = batch.x_t.double(), (batch.forward_noise - batch.x0).double()

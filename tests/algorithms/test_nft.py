@@ -18,7 +18,7 @@ def _setup(adv, beta=0.7, clip=2.0, weights=None):
     sigma = torch.tensor(0.4)
     x_t = (1 - sigma) * x0 + sigma * eps
     w = torch.tensor(0.8, requires_grad=True)
-    ocfg = SimpleNamespace(nft_beta=beta, adv_clip_max=clip, kl_coef=0.0)
+    ocfg = SimpleNamespace(args=SimpleNamespace(beta=beta), adv_clip_max=clip, kl_coef=0.0)
     ctx = LossContext(
         policy_velocity=lambda x, s, c: w * x + 1.0,
         reference_velocity=None,

@@ -12,7 +12,7 @@ from diffrl.sampling.rollout import rollout_independent
 from diffrl.sampling.sde import gaussian_kl, step
 
 CLIP_RANGE = 1e-4  # the real flow_grpo configs' ratio clip (sd35_grpo_guard: 2e-6)
-DPPO_KL_THRESHOLD = 1e-5  # sd35_flow_dppo's objective.dppo_kl_threshold
+DPPO_KL_THRESHOLD = 1e-5  # sd35_flow_dppo's objective.args.kl_threshold
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:

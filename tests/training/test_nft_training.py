@@ -26,7 +26,7 @@ def test_two_nft_steps_move_the_policy_and_the_old_policy(name, overrides, tmp_p
             "checkpoint.every=0",
             "logging.progress_bar=false",
             "objective.name=nft",
-            "objective.nft_old_decay_rate=0.25",
+            "objective.args.old_decay_rate=0.25",
             *overrides,
         ],
     )
@@ -55,7 +55,7 @@ def test_nft_sample_with_old_rolls_out_with_the_old_policys_weights(tmp_path):
             "checkpoint.every=0",
             "logging.progress_bar=false",
             "objective.name=nft",
-            "objective.nft_sample_with=old",
+            "objective.args.sample_with=old",
         ],
     )
     trainer = Trainer(cfg)
@@ -80,5 +80,7 @@ def test_nft_sample_with_old_rolls_out_with_the_old_policys_weights(tmp_path):
 def test_nft_sample_with_old_needs_nft_without_solrl():
     from diffrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="nft_sample_with old needs objective.name nft"):
-        load_config("tiny_toy_flowgrpo", ["objective.nft_sample_with=old"])
+    with pytest.raises(ConfigError, match="unknown key 'objective.args.sample_with'"):
+        load_config("tiny_toy_flowgrpo", ["objective.args.sample_with=old"])  # flow_grpo has no such key
+    with pytest.raises(ConfigError, match="objective.args.sample_with old needs no solrl"):
+        load_config("tiny_flux_solrl", ["objective.name=nft", "objective.args.sample_with=old"])

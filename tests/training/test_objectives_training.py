@@ -44,7 +44,7 @@ def test_two_iterations_train_and_log_the_objectives_statistics(objective, strat
 
 def test_awm_resumes_with_the_same_policy_and_ema_anchor(tmp_path):
     overrides = ("train.max_steps=4", "checkpoint.every=2", "objective.name=awm")
-    overrides += ("objective.nft_old_decay_rate=0.1",)  # a decay that moves within 4 iterations
+    overrides += ("objective.args.old_decay_rate=0.1",)  # a decay that moves within 4 iterations
     full = Trainer(quick_config("tiny_flux_flowgrpo", tmp_path / "full", *overrides))
     full.fit()
     killed = Trainer(quick_config("tiny_flux_flowgrpo", tmp_path / "killed", *overrides))
@@ -85,8 +85,10 @@ def test_whole_group_plan_keeps_each_group_in_one_micro_batch():
         (["objective.name=grpo_guard", "objective.logprob_reduction=sum"], "logprob_reduction mean"),
         (["objective.forward_window=[0, 4]"], "applies to clean-sample objectives"),
         (["objective.name=awm", "objective.forward_window=[3, 99]"], "forward_window must be"),
-        (["objective.name=dgpo", "objective.dgpo_beta=0"], "objective.dgpo_beta must be > 0"),
-        (["objective.name=flow_dppo", "objective.dppo_kl_threshold=-1"], "dppo_kl_threshold must be > 0"),
+        (["objective.name=dgpo", "objective.args.beta=0"], "objective.args.beta must be > 0"),
+        (["objective.name=flow_dppo", "objective.args.kl_threshold=-1"], "args.kl_threshold must be > 0"),
+        (["objective.name=nft", "objective.args.old_decay_max=1"], "old_decay_max in \\[0, 1\\)"),
+        (["objective.name=awm", "objective.args.betta=1"], "unknown key 'objective.args.betta'"),
     ],
 )
 def test_unsupported_combinations_fail_at_start_with_one_clear_error(overrides, message):

@@ -214,7 +214,7 @@ def test_solrl_resume_equivalence(objective, tmp_path):
         "train.max_steps=4",
         "checkpoint.every=2",
         f"objective.name={objective}",
-        "objective.nft_old_decay_rate=0.3",
+        *(["objective.args.old_decay_rate=0.3"] if objective == "nft" else []),
     )
     full = Trainer(_cfg("tiny_flux_solrl", tmp_path / "full", *overrides))
     full.fit()

@@ -1,0 +1,71 @@
+"""The objective section's own checks, called when a config loads
+(:func:`diffrl.config.validate`): what the chosen objective supports and needs, the
+ranges of its parameters (each objective's ``args`` checks its own), the velocity
+anchor, and the forward window of the clean-sample objectives."""
+
+from __future__ import annotations
+
+from diffrl.algorithms.objective import get_objective
+from diffrl.schema import ConfigError
+
+
+def check_objective(cfg) -> None:
+    obj = cfg.objective
+    objective = get_objective(obj.name)  # a known name: the loader read its args already
+    _check_supported(cfg, objective)
+    obj.args.check()
+    if getattr(obj.args, "sample_with", "current") == "old" and cfg.solrl.enabled:
+        raise ConfigError(
+            "objective.args.sample_with old needs no solrl (Sol-RL explores with its own copy of "
+            "the trained weights)"
+        )
+    if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
+        raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
+    _check_tree_anchor(cfg, objective)
+    _check_forward_window(cfg, objective)
+
+
+def _check_tree_anchor(cfg, objective) -> None:
+    """Trees anchor their ODE steps through the edge plan, which only the transition
+    objectives use: a clean-sample objective trains a tree's leaves as independent samples."""
+    name = cfg.objective.name
+    if cfg.objective.anchor_coef > 0 and cfg.rollout.strategy == "tree" and objective.forward_process:
+        raise ConfigError(
+            f"objective.anchor_coef on trees needs a transition objective (flow_grpo family); {name} "
+            "trains the leaves as independent samples: set objective.anchor_coef to 0"
+        )
+
+
+def _check_supported(cfg, objective) -> None:
+    """What the chosen objective supports (its ``strategies``) and needs."""
+    obj = cfg.objective
+    used = [cfg.rollout.strategy] + (["solrl"] if cfg.solrl.enabled else [])
+    for strategy in used:
+        if strategy not in objective.strategies:
+            raise ConfigError(
+                f"objective {obj.name} does not support {strategy} rollouts; it supports "
+                f"{', '.join(objective.strategies)}"
+            )
+    if obj.name == "grpo_guard" and obj.logprob_reduction != "mean":
+        raise ConfigError(
+            "objective grpo_guard normalises the mean-reduced log-ratio: set objective.logprob_reduction mean"
+        )
+    if objective.whole_groups and cfg.train.micro_batch_size % cfg.rollout.group_size:
+        raise ConfigError(
+            f"objective {obj.name} trains whole prompt groups in one forward: make "
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) a multiple of rollout.group_size "
+            f"({cfg.rollout.group_size})"
+        )
+
+
+def _check_forward_window(cfg, objective) -> None:
+    window, steps = cfg.objective.forward_window, cfg.sampling.num_steps
+    if window is None:
+        return
+    if not objective.forward_process:
+        raise ConfigError(
+            f"objective.forward_window applies to clean-sample objectives (nft, awm, dgpo), not "
+            f"{cfg.objective.name}: its trained steps are the SDE window (sampling.sde_window)"
+        )
+    if not (len(window) == 2 and 0 <= window[0] < window[1] <= steps):
+        raise ConfigError(f"objective.forward_window must be [start, end) within [0, {steps}], got {window}")
