@@ -4,7 +4,7 @@ config it reproduces (docs/RECIPES.md is written from here).
 Two files per recipe, under ``configs/recipes/``:
 
 * ``references/<id>.json``: the reference's values, facts transcribed from its config
-  files at a pinned commit (``scripts/transcribe_reference.py`` writes ``values`` and
+  files at a pinned commit (``tools/transcribe_reference.py`` writes ``values`` and
   re-checks them against a clone; ``constants`` are values hard-coded in its training
   script, each with the text that shows it);
 * ``<config>.yaml``: the key map. Every reference key has one entry: ``ours`` (an
@@ -187,12 +187,12 @@ def render(recipes: list[Recipe]) -> str:
     out = [
         "# Recipes, key by key",
         "",
-        "<!-- written by `python scripts/recipes_page.py`; edit configs/recipes/, not this page -->",
+        "<!-- written by `python tools/recipes_page.py`; edit configs/recipes/, not this page -->",
         "",
         "Each recipe below is a shipped config held against the reference config it reproduces,",
         "every key of it: the reference's value (transcribed from its files at the pinned commit,",
         "`configs/recipes/references/`), ours, and where they differ, why. `pytest tests/recipes`",
-        "fails on any difference not listed here; `scripts/transcribe_reference.py check` re-reads",
+        "fails on any difference not listed here; `tools/transcribe_reference.py check` re-reads",
         "a reference from a clone and compares it with the transcription.",
         "",
         "| recipe | reference | keys | same | deviations | no counterpart |",

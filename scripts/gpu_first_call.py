@@ -8,7 +8,7 @@ at most 600 s and 2,000 characters long, nothing downloads there, and only files
 the output folder come back (at most 8). This driver, under one deadline (``--deadline``,
 520 s from its start by default, leaving the call's last 80 s for slack):
 
-1. installs the carried wheels (``wheelhouse/``, made here by ``scripts/make_wheelhouse.py``)
+1. installs the carried wheels (``wheelhouse/``, made here by ``tools/make_wheelhouse.py``)
    into ``/tmp/diffrl-site`` without touching the machine's own packages, and puts them
    first on the path of this process and every child;
 2. runs ``scripts/gpu_suite.py --plan first-call``: the versions, then FP8 against BF16
@@ -21,7 +21,7 @@ Every result is written to the output folder the moment it exists (``suite.md``,
 ``suite.jsonl``, ``suite.log``; ``suite.json`` at the end): killed at any point, the call
 still returns all that finished. What needs no GPU (the configs' meta-device memory
 estimates, the wheels' import check) runs on the CPU beforehand:
-``scripts/gpu_suite.sh --cpu --steps estimate`` and ``scripts/make_wheelhouse.py --check``.
+``scripts/gpu_suite.sh --cpu --steps estimate`` and ``tools/make_wheelhouse.py --check``.
 
 The device command (docs/BENCHMARKS.md, "The first GPU call"), with ``wheelhouse`` carried:
 

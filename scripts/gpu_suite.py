@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from diffrl.perf import suite  # noqa: E402
+from diffrl.perf import suite, suite_precision  # noqa: E402
 from diffrl.training.setup import FSDP_LAUNCH_ENV  # noqa: E402
 
 STEPS = ("quant", "iteration", "fsdp", "precision", "train", "rewards", "estimate")
@@ -335,19 +335,19 @@ def worker(a) -> list[dict]:
     elif a.worker == "estimate":
         report.add(suite.configs_fit(ROOT / "configs"))
     elif a.worker in ("precision", "train"):
-        name, sets = suite.precision_config(a.cpu)
+        name, sets = suite_precision.precision_config(a.cpu)
         cfg = load_config(name, sets)
         batch = cfg.rollout.batch_size if a.cpu else 4
 
         def emit(key: str, value: dict) -> None:
-            rows = {"precision": suite.precision_rows, "train": suite.train_rows}
-            report.add(rows.get(key, suite.train_precision_rows)(value, a.cpu))
+            rows = {"precision": suite_precision.precision_rows, "train": suite_precision.train_rows}
+            report.add(rows.get(key, suite_precision.train_precision_rows)(value, a.cpu))
 
         if a.worker == "train":
             _train_only(cfg, device, a.compile, emit)
         else:
             modes = a.modes.split(",")
-            suite.measure_precision(cfg, device, modes, batch, a.repeats, a.compile, emit, a.train)
+            suite_precision.measure_precision(cfg, device, modes, batch, a.repeats, a.compile, emit, a.train)
     else:
         with tempfile.TemporaryDirectory() as out:
             if a.worker == "iteration":

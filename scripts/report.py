@@ -40,7 +40,7 @@ def load_run(path: Path) -> list[dict]:
         raise ReportError(
             f"'{path}' has no metrics.jsonl; pass a run directory (output_dir of a training run)"
         )
-    from diffrl.training.metrics import read_metrics
+    from diffrl.evaluation.summary import read_metrics
 
     return read_metrics(metrics, warn=print)
 

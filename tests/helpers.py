@@ -11,11 +11,15 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TOOLS = SCRIPTS.parent / "tools"  # the project's own tooling
 
 
 def load_script(name: str):
-    """Import ``scripts/<name>.py`` as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
+    """Import ``scripts/<name>.py`` (or ``tools/<name>.py``) as a module (neither folder is
+    a package)."""
+    path = SCRIPTS / f"{name}.py"
+    path = path if path.is_file() else TOOLS / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)

@@ -6,9 +6,26 @@ after a resume: "before" is the first evaluation ever logged, "after" the last.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from diffrl.training.metrics import read_metrics
+
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """The rows of a ``metrics.jsonl``. A run killed while writing leaves a torn last line:
+    it is left out (``warn`` is called with a note); a bad line elsewhere is left out too
+    and named, since the other rows are still worth reading."""
+    lines = Path(path).read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if warn is not None:
+                where = "its torn last line" if number == len(lines) else f"line {number}, which is not JSON"
+                warn(f"note: {path}: left out {where}")
+    return rows
 
 
 def eval_rows(metrics_path: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""scripts/objective_table.py: seed spreads, ratios to the base and the equal-wall-time
+"""tools/objective_table.py: seed spreads, ratios to the base and the equal-wall-time
 reading, on synthetic runs whose answers are known by hand."""
 
 import json

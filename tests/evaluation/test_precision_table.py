@@ -1,4 +1,4 @@
-"""scripts/precision_table.py on made-up runs: the mean and sd over seeds, the mean
+"""tools/precision_table.py on made-up runs: the mean and sd over seeds, the mean
 standard error, the replay gap and clip fraction over training rows; unfinished runs
 are left out."""
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffrl.config import load_config
-from diffrl.perf import suite
+from diffrl.perf import suite, suite_precision
 from diffrl.training.setup import KEEP_CUDNN_ATTENTION, avoid_cudnn_attention
 
 
@@ -173,21 +173,23 @@ def test_the_gpu_precision_race_is_flux_width_on_two_double_and_four_single_bloc
     a speed ratio is per block, so the race runs a few blocks at full width."""
     from diffrl.models.arch import arch_for
 
-    cfg = load_config(*suite.precision_config(cpu=False))
+    cfg = load_config(*suite_precision.precision_config(cpu=False))
     assert cfg.model.pretrained == "random:flux1-dev" and cfg.model.height == cfg.model.width == 1024
     transformer = arch_for(cfg.model.pretrained).build_transformer()  # on the meta device
     width = transformer.transformer_blocks[0].attn.to_q.weight.shape
-    kept = suite.keep_blocks(transformer, suite.PRECISION_BLOCKS)
+    kept = suite_precision.keep_blocks(transformer, suite_precision.PRECISION_BLOCKS)
     assert kept == {"transformer_blocks": 2, "single_transformer_blocks": 4}
     assert len(transformer.transformer_blocks) == 2 and len(transformer.single_transformer_blocks) == 4
     assert transformer.transformer_blocks[0].attn.to_q.weight.shape == width == (3072, 3072)
 
 
 def test_the_precision_race_runs_on_the_cpu_twin():
-    cfg = load_config(*suite.precision_config(cpu=True))
-    result = suite.measure_precision(cfg, torch.device("cpu"), ["bf16", "fp8:reference"], 2, 1, False)
+    cfg = load_config(*suite_precision.precision_config(cpu=True))
+    result = suite_precision.measure_precision(
+        cfg, torch.device("cpu"), ["bf16", "fp8:reference"], 2, 1, False
+    )
     assert [r["mode"] for r in result["rows"]] == ["bf16", "fp8:reference"]
-    rows = suite.precision_rows(result, cpu=True)
+    rows = suite_precision.precision_rows(result, cpu=True)
     (row,) = [r for r in rows if r["measure"].endswith("speed")]
     assert "fp8:reference" in row["measure"] and "eager" in row["measure"] and row["target"] == "-"
     assert "all 1 double + 1 single blocks" in row["measure"]  # the twin at full depth
@@ -205,26 +207,30 @@ def test_the_race_runs_all_of_flux_where_its_copies_fit():
     weights = sum(p.numel() for p in flux.parameters())
     assert 11.8e9 < weights < 12.0e9
     needed = 4 * weights + 8 * 2**30
-    assert suite.race_fits_full_depth(flux, needed) and not suite.race_fits_full_depth(flux, needed - 1)
+    assert suite_precision.race_fits_full_depth(flux, needed) and not suite_precision.race_fits_full_depth(
+        flux, needed - 1
+    )
     h200_free, a100_free = 141e9 - 24e9, 40e9  # beside the 24 GB BF16 policy
-    assert suite.race_fits_full_depth(flux, h200_free) and not suite.race_fits_full_depth(flux, a100_free)
-    assert suite.block_counts(flux) == {"transformer_blocks": 19, "single_transformer_blocks": 38}
+    assert suite_precision.race_fits_full_depth(flux, h200_free) and not suite_precision.race_fits_full_depth(
+        flux, a100_free
+    )
+    assert suite_precision.block_counts(flux) == {"transformer_blocks": 19, "single_transformer_blocks": 38}
 
 
 def test_the_training_step_race_includes_the_unified_fp8_step_on_the_cpu_twin():
     """With ``train``, the precision worker also races the unified FP8 training step
     against the BF16 one on the same model (the row the next GPU window fills in)."""
-    cfg = load_config(*suite.precision_config(cpu=True))
+    cfg = load_config(*suite_precision.precision_config(cpu=True))
     emitted = []
-    result = suite.measure_precision(
+    result = suite_precision.measure_precision(
         cfg, torch.device("cpu"), ["bf16"], 2, 2, False, lambda k, v: emitted.append(k), train=True
     )
     assert emitted == ["precision", "train", "train_fp8"]
     t = result["train_fp8"]
     assert t["backend"] == "reference" and t["quantized_layers"] > 0
     assert t["speed_vs_bf16"] == pytest.approx(t["bf16_s"] / t["fp8_s"])
-    rows = suite.train_precision_rows(t, cpu=True)
+    rows = suite_precision.train_precision_rows(t, cpu=True)
     assert rows[0]["measure"].startswith("unified FP8 training step / bf16 (reference, rowwise, eager")
     assert rows[0]["target"] == "-" and rows[0]["ok"] is None  # no FP8 GEMMs on a CPU: no target
-    gpu = suite.train_precision_rows({**t, "backend": "torchao", "speed_vs_bf16": 1.2}, cpu=False)
+    gpu = suite_precision.train_precision_rows({**t, "backend": "torchao", "speed_vs_bf16": 1.2}, cpu=False)
     assert gpu[0]["target"] == "> 1x" and gpu[0]["ok"] is True

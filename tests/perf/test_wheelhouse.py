@@ -1,4 +1,4 @@
-"""The GPU wheelhouse (scripts/make_wheelhouse.py, issue 50 item 2): the pinned list
+"""The GPU wheelhouse (tools/make_wheelhouse.py, issue 50 item 2): the pinned list
 resolves offline against the wheels' own metadata (constraints/gpu-wheels.lock.json,
 written by the script from the downloaded wheels) and the device's packages, and the
 check names every kind of problem it exists to catch."""

@@ -30,7 +30,7 @@ def test_each_recipe_matches_its_reference_except_where_the_page_says_why(name):
 
 def test_the_page_is_the_one_the_key_maps_write():
     page = (ROOT / "docs" / "RECIPES.md").read_text()
-    assert page == recipes.page(), "docs/RECIPES.md is out of date: python scripts/recipes_page.py"
+    assert page == recipes.page(), "docs/RECIPES.md is out of date: python tools/recipes_page.py"
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,4 +1,4 @@
-"""scripts/transcribe_reference.py on a reference made up here, in a temporary git
+"""tools/transcribe_reference.py on a reference made up here, in a temporary git
 repository: an ml_collections-style config pair and an argparse training script with
 its shell launcher (variables, $(...) and if-blocks, as BranchGRPO's launcher has)."""
 

@@ -1,10 +1,10 @@
-"""The objectives table of docs/BENCHMARKS.md from scripts/compare_objectives.sh's runs:
+"""The objectives table of docs/BENCHMARKS.md from tools/compare_objectives.sh's runs:
 per method and evaluation, held-out strict over seeds (mean, sample sd, range), fidelity
 and diversity as ratios to a base evaluation, the median seconds per iteration, and
 held-out strict at equal wall time (each run linear from the base at 0 minutes through its
 evaluations, read at the shortest run's last evaluation).
 
-    python scripts/objective_table.py OUT_DIR --base-strict 0.328 --base-darkness 0.000465 \
+    python tools/objective_table.py OUT_DIR --base-strict 0.328 --base-darkness 0.000465 \
         --base-diversity 0.1835
 """
 

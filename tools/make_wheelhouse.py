@@ -1,9 +1,9 @@
 """The wheels a lent GPU machine needs, in one command, checked before they travel.
 
-    python scripts/make_wheelhouse.py                  # download every set into wheelhouse/, check
-    python scripts/make_wheelhouse.py --set first-call # only what scripts/gpu_first_call.py needs
-    python scripts/make_wheelhouse.py --check          # check an existing wheelhouse (offline)
-    python scripts/make_wheelhouse.py --verify         # and import it in an emulated device environment
+    python tools/make_wheelhouse.py                  # download every set into wheelhouse/, check
+    python tools/make_wheelhouse.py --set first-call # only what scripts/gpu_first_call.py needs
+    python tools/make_wheelhouse.py --check          # check an existing wheelhouse (offline)
+    python tools/make_wheelhouse.py --verify         # and import it in an emulated device environment
 
 The GPU machine has Python 3.12 on x86_64 and the packages of ``constraints/gpu-device.txt``,
 and cannot download. The pinned list is ``constraints/gpu-wheels.txt``. The check:

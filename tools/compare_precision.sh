@@ -13,10 +13,10 @@
 # shipped high-noise window [0, 4], where the naive split's log-prob gap is largest
 # (the low-noise steps), for bf16 and naive only (the unified flow's gap is 0 by
 # construction, and its reference casts cost the most CPU time).
-#   scripts/compare_precision.sh OUT_DIR [ITERATIONS=50] [EVERY=25] [SEEDS="0 1 2"]
-#   WINDOW=all scripts/compare_precision.sh OUT_DIR 20 20
+#   tools/compare_precision.sh OUT_DIR [ITERATIONS=50] [EVERY=25] [SEEDS="0 1 2"]
+#   WINDOW=all tools/compare_precision.sh OUT_DIR 20 20
 set -euo pipefail
-out=${1:?usage: scripts/compare_precision.sh OUT_DIR [ITERATIONS] [EVERY] [SEEDS]}
+out=${1:?usage: tools/compare_precision.sh OUT_DIR [ITERATIONS] [EVERY] [SEEDS]}
 base=toy_flowgrpo
 methods=(
   "bf16=$base"

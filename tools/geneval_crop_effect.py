@@ -10,8 +10,8 @@ crop and on the masked crop. The vote is CLIP (``--clip``, a CLIPModel directory
 given, else an offline stand-in: the crop's mean colour, nearest palette colour (it shows
 how much the extra pixels move a vote; CLIP's sensitivity to them is not the same).
 
-    python scripts/geneval_crop_effect.py                       # stand-in vote, 600 scenes, 32 px
-    python scripts/geneval_crop_effect.py --resolution 64 --clip openai/clip-vit-large-patch14
+    python tools/geneval_crop_effect.py                       # stand-in vote, 600 scenes, 32 px
+    python tools/geneval_crop_effect.py --resolution 64 --clip openai/clip-vit-large-patch14
 """
 
 import argparse

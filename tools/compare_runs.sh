@@ -3,13 +3,13 @@
 # METHOD for SEEDS seeds, JOBS 1-thread runs at a time (default 2, the 2-core machine),
 # each to ITERATIONS iterations with an evaluation every EVERY (none at the start: the
 # base's score is the same for all). A run that already has its iterations' metrics is kept.
-#   scripts/compare_runs.sh OUT_DIR ITERATIONS EVERY "SEEDS" "name=config [--set k=v ...]" ...
+#   tools/compare_runs.sh OUT_DIR ITERATIONS EVERY "SEEDS" "name=config [--set k=v ...]" ...
 # Extra arguments to every run go in EXTRA (e.g. EXTRA="--set eval.at_start=true"). A
 # method's own --set comes last, so "tree=toy_branchgrpo --set train.max_steps=43 --set
 # eval.every=14" runs that method longer than ITERATIONS (equal NFE for a cheaper rollout).
-# scripts/compare_objectives.sh and scripts/compare_solrl_pools.sh name their methods.
+# tools/compare_objectives.sh and tools/compare_solrl_pools.sh name their methods.
 set -euo pipefail
-out=${1:?usage: scripts/compare_runs.sh OUT_DIR ITERATIONS EVERY SEEDS METHOD...}
+out=${1:?usage: tools/compare_runs.sh OUT_DIR ITERATIONS EVERY SEEDS METHOD...}
 iterations=${2:?ITERATIONS}
 every=${3:?EVERY}
 seeds=${4:?SEEDS}

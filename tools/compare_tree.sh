@@ -7,9 +7,9 @@
 # (toy_late_branchgrpo, [4,5,6,7] x 2) and its control, independent rollouts on its window. Each tree runs as many iterations as
 # spend about the NFE of ITERATIONS independent ones (2560 per iteration), and is
 # evaluated as often in NFE; scripts/report.py then plots held-out strict against NFE.
-#   scripts/compare_tree.sh shapeworld|late OUT_DIR [ITERATIONS=30] [SEEDS="0 1 2"]
+#   tools/compare_tree.sh shapeworld|late OUT_DIR [ITERATIONS=30] [SEEDS="0 1 2"]
 set -euo pipefail
-world=${1:?usage: scripts/compare_tree.sh shapeworld|late OUT_DIR [ITERATIONS] [SEEDS]}
+world=${1:?usage: tools/compare_tree.sh shapeworld|late OUT_DIR [ITERATIONS] [SEEDS]}
 out=${2:?OUT_DIR}
 n=${3:-30}
 seeds=${4:-0 1 2}

@@ -23,13 +23,13 @@ commit. Nothing here is imported by diffrl; it needs the reference's git directo
 
 Examples::
 
-    python scripts/transcribe_reference.py mlcollections --git /path/flow_grpo/.git \\
+    python tools/transcribe_reference.py mlcollections --git /path/flow_grpo/.git \\
         --commit ac4c86e8 --file config/grpo.py --also config/base.py --function geneval_sd3
-    python scripts/transcribe_reference.py argparse --git /path/DanceGRPO/.git --commit 15cc71d5 \\
+    python tools/transcribe_reference.py argparse --git /path/DanceGRPO/.git --commit 15cc71d5 \\
         --script fastvideo/train_grpo_flux.py --launch scripts/finetune/finetune_flux_grpo.sh
-    python scripts/transcribe_reference.py check --git /path/flow_grpo/.git \\
+    python tools/transcribe_reference.py check --git /path/flow_grpo/.git \\
         --fixture configs/recipes/references/flow_grpo_geneval_sd3.json
-    python scripts/transcribe_reference.py write --git /path/flow_grpo/.git \\
+    python tools/transcribe_reference.py write --git /path/flow_grpo/.git \\
         --fixture configs/recipes/references/flow_grpo_geneval_sd3.json
 """
 

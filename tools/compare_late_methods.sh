@@ -7,13 +7,13 @@
 # Sol-RL with an independent NVFP4 pool (16 candidates, best 4 + worst 4 regenerated in BF16)
 # and Sol-RL with a tree pool (the late tree's 16 leaves explored in NVFP4, best 4 + worst 4
 # regenerated as a BF16 sub-tree). Every method works on the steps where this world's texture
-# is decided, [4, 8) (scripts/compare_tree.sh late measured flow-GRPO there against the
+# is decided, [4, 8) (tools/compare_tree.sh late measured flow-GRPO there against the
 # probe's top-three window [0, 4)), and spends about the rollout NFE of ITERATIONS flow-GRPO
-# iterations. Run it in the same OUT_DIR as `scripts/compare_tree.sh late` to reuse its
+# iterations. Run it in the same OUT_DIR as `tools/compare_tree.sh late` to reuse its
 # independent_window48 and tree_late runs.
-#   scripts/compare_late_methods.sh OUT_DIR [ITERATIONS=24] [SEEDS="0 1 2"]
+#   tools/compare_late_methods.sh OUT_DIR [ITERATIONS=24] [SEEDS="0 1 2"]
 set -euo pipefail
-out=${1:?usage: scripts/compare_late_methods.sh OUT_DIR [ITERATIONS] [SEEDS]}
+out=${1:?usage: tools/compare_late_methods.sh OUT_DIR [ITERATIONS] [SEEDS]}
 n=${2:-24}
 seeds=${3:-0 1 2}
 every=$((n / 3))

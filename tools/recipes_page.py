@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     if a.check:
         current = PAGE.read_text() if PAGE.exists() else ""
         if current != text:
-            print(f"{PAGE} is out of date: python scripts/recipes_page.py", file=sys.stderr)
+            print(f"{PAGE} is out of date: python tools/recipes_page.py", file=sys.stderr)
             return 1
         return 1 if problems else 0
     PAGE.write_text(text)

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""The table of scripts/compare_precision.sh's runs (docs/BENCHMARKS.md, "FP8 rollouts"):
+"""The table of tools/compare_precision.sh's runs (docs/BENCHMARKS.md, "FP8 rollouts"):
 per arm, held-out strict at each evaluation (mean ± sd over seeds, and the evaluations'
 mean standard error), the background fidelity measures at the end, the replay log-prob
 gap (training forward against sampling, before each iteration's first step), the clip
 fraction, the rollout NFE per iteration and the seconds per iteration.
 
-    python scripts/precision_table.py OUT_DIR [ARM ...]
+    python tools/precision_table.py OUT_DIR [ARM ...]
 """
 
 from __future__ import annotations
