@@ -64,9 +64,3 @@ class PrecisionPlan:
         """The policy moved: Sol-RL's copy re-syncs before it is next read."""
         if self.solrl is not None:
             self.solrl.mark_stale()
-
-    @property
-    def samples_per_prompt(self) -> int | None:
-        """Candidates a rollout draws per prompt when it differs from the group: Sol-RL's
-        pool size; None otherwise."""
-        return None if self.solrl_settings is None else self.solrl_settings.solrl.pool_size
