@@ -11,7 +11,12 @@ Two files per recipe, under ``configs/recipes/``:
   expression over ``cfg``, the loaded diffrl config, optionally against ``ref``, an
   expression over ``r``, the reference's values, and ``gpus``, its GPU count), with a
   ``deviation`` saying why exactly when the two differ; or ``none`` saying why the key
-  has no counterpart here (log directories, wandb switches, ...).
+  has no counterpart here (log directories, wandb switches, ...). Its ``behaviour`` list
+  holds what the reference's training script does where no key shows (which samples
+  train, which branch carries the gradient): each entry names the behaviour, where the
+  script does it (``where``: file and line), the reference's way (``reference``) and
+  ``ours``, an expression over ``cfg`` that must give the same words unless a
+  ``deviation`` says why not.
 
 :func:`compare` holds a recipe to its reference; tests/recipes fails on any difference
 the map does not list, on a listed deviation that is no longer one, and on any
@@ -83,10 +88,12 @@ class Recipe:
     reference: dict  # the fixture
     keymap: dict
     rows: list[Row]
+    behaviour: list[Row]  # what the training script does where no key shows
 
     @property
     def problems(self) -> list[str]:
-        return [f"{self.config}: {r.key}: {r.problem}" for r in self.rows if r.problem]
+        rows = self.rows + self.behaviour
+        return [f"{self.config}: {r.key}: {r.problem}" for r in rows if r.problem]
 
 
 def recipe_names() -> list[str]:
@@ -97,12 +104,15 @@ def recipe_names() -> list[str]:
 def load_keymap(name: str) -> dict:
     """A key map, with the entries of the maps it ``include``s (its own win)."""
     keymap = yaml.safe_load((RECIPE_DIR / f"{name}.yaml").read_text())
-    keys = {}
+    keys, behaviour = {}, []
     for part in keymap.get("include", []):
-        keys.update(load_keymap(part)["keys"])
+        shared = load_keymap(part)
+        keys.update(shared["keys"])
+        behaviour += shared["behaviour"]
     own = keymap.get("keys") or {}
     keys.update(own)
     keymap["keys"], keymap["own_keys"] = keys, set(own)
+    keymap["behaviour"] = behaviour + list(keymap.get("behaviour") or [])
     return keymap
 
 
@@ -161,6 +171,26 @@ def _row(key: str, entry: dict | None, cfg, values: dict, scale: dict) -> Row:
     return row
 
 
+def _behaviour_row(entry: dict, cfg, values: dict, scale: dict) -> Row:
+    """One behaviour of the reference's script: its way (words) against ours (an
+    expression over ``cfg`` giving words)."""
+    key = f"{entry['what']} ({entry['where']})"
+    row = Row(key, entry["reference"], entry["ours"], note=entry.get("deviation", ""))
+    try:
+        row.ours = _evaluate(entry["ours"], cfg, values, scale)
+    except Exception as err:  # a map expression that fails is a map error, reported as one
+        row.problem = f"expression failed: {err!r}"
+        return row
+    if row.ours == row.reference:
+        row.problem = "listed as a deviation, but the behaviours agree" if row.note else ""
+    else:
+        row.kind = "deviation"
+        row.problem = (
+            "" if row.note else f"the reference {row.reference!r}, ours {row.ours!r}, no deviation listed"
+        )
+    return row
+
+
 def compare(config: str) -> Recipe:
     """The recipe ``config`` held against its reference, row by row."""
     keymap = load_keymap(config)
@@ -173,7 +203,8 @@ def compare(config: str) -> Recipe:
     # a shared part may map keys one of its references lacks; the recipe's own map may not
     extra = sorted(keymap["own_keys"] - set(values))
     rows += [Row(k, None, None, problem="mapped, but not a reference key") for k in extra]
-    return Recipe(config, fixture, keymap, rows)
+    behaviour = [_behaviour_row(entry, cfg, values, scale) for entry in keymap["behaviour"]]
+    return Recipe(config, fixture, keymap, rows, behaviour)
 
 
 # -- the page --------------------------------------------------------------------------------
@@ -238,6 +269,24 @@ def _section(rc: Recipe) -> list[str]:
             derived = re.sub(r"r\['([^']+)'\]", r"\1", r.ref_expr).replace("cfg.", "")
             reference = f"{_cell(r.raw)}, compared as {reference} (`{_cell(derived)}`)"
         lines.append(f"| `{r.key}` | {reference} | {shown} | {_cell(r.ours)} | {mark} |")
+    return lines + _behaviour_table(rc)
+
+
+def _behaviour_table(rc: Recipe) -> list[str]:
+    """What the reference's training script does where no key shows, and ours."""
+    if not rc.behaviour:
+        return []
+    lines = [
+        "",
+        "Behaviour where no key shows (the reference's training script, read line by line):",
+        "",
+        "| behaviour (where) | reference | diffrl | ours | |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rc.behaviour:
+        mark = "" if r.kind == "same" else f"**deviates**: {_cell(r.note)}"
+        shown = f"`{_cell(r.ours_expr.replace('cfg.', ''))}`"
+        lines.append(f"| {_cell(r.key)} | {_cell(r.reference)} | {shown} | {_cell(r.ours)} | {mark} |")
     return lines
 
 

@@ -152,12 +152,10 @@ class TreeConfig:
         "After the last split, train only the best+worst leaves per tree, or the best of each sibling set; "
         "chain_prefix / batch_best_worst are the BranchGRPO reference's modes 1 / 2 (docs/ALGORITHMS.md).",
     )
-
     width_keep_fraction: float = _f(
         0.5,
-        "Fraction of leaves (per tree, or per sibling set) whose edges are trained; "
-        "for chain_prefix of each chain's post-split edges, for batch_best_worst of "
-        "the batch's post-split edges.",
+        "Fraction of leaves (per tree, or per sibling set) whose edges are trained; for chain_prefix of each "
+        "chain's post-split edges, for batch_best_worst of the batch's post-split edges.",
     )
     depth_pruning: list[int] = _f(
         [], "Denoising steps whose edges are not backpropagated (the rollout is unchanged)."
@@ -168,9 +166,7 @@ class TreeConfig:
         "optimizer steps; N: one optimizer step per N trained edges of a process (BranchGRPO's loop).",
     )
     loss_weighting: Literal["edge", "depth"] = _f(
-        "edge",
-        "Every trained edge weighs the same (BranchGRPO), or every denoising step does (as "
-        "independent rollouts).",
+        "edge", "Every trained edge weighs the same (BranchGRPO), or every denoising step does (independent)."
     )
     depth_pruning_slide_every: int = _f(
         0, "Move the pruned steps one step earlier every N iterations; 0 keeps them."
@@ -182,9 +178,8 @@ class TreeConfig:
 class PerfConfig:
     compile_rollout: bool = _f(
         False,
-        "torch.compile the transformer the rollouts call (policy and reference-backend exploration copy; "
-        "the torchao copy is always compiled by block). On in the real-model configs; see "
-        "docs/BENCHMARKS.md for where it pays.",
+        "torch.compile the transformer the rollouts call (policy and reference-backend exploration copy; the "
+        "torchao copy is always compiled by block). On in the real-model configs; docs/BENCHMARKS.md.",
     )
     compile_scope: Literal["blocks", "whole"] = _f(
         "blocks",
@@ -225,6 +220,11 @@ class SolRLConfig:
     )
     keep_high: list[str] | None = _f(
         None, "Anchored regexes of layers kept in high precision; null uses the family list."
+    )
+    min_quantized_dim: int = _f(
+        0,
+        "Layers whose larger dimension is at most this stay in high precision too (Sol-RL's nvfp4_min_dim: "
+        "2240 for SANA, 2432 for SD3, 1000 for FLUX); 0: none.",
     )
     select: Literal["best_worst", "max_variance", "random"] = _f(
         "best_worst",
@@ -316,6 +316,12 @@ class AdvantageConfig:
         "DanceGRPO and BranchGRPO; with eps 1e-8 it is their normalisation).",
     )
     filter_zero_std: bool = _f(True, "Drop groups whose rewards are all equal; they carry no signal.")
+    drop_zero: bool = _f(
+        False,
+        "Independent rollouts: every sample whose advantage is exactly 0 leaves the update, the rest are "
+        "laid out evenly over the same micro-batches, and a keyed few zero-advantage samples come back to "
+        "fill them evenly (flow_grpo's train_sd3.py); false: such samples stay in place with weight 0.",
+    )
 
 
 @dataclass
@@ -346,6 +352,11 @@ class ObjectiveConfig:
         "'flow_grpo': flow_grpo's own log-probs (mean, except cps: -mean((x'-mu)^2) without 1/(2 std^2)).",
     )
     train_cfg: bool = _f(True, "Apply CFG when recomputing velocities for the loss (as in the rollout).")
+    detach_uncond: bool = _f(
+        False,
+        "With train_cfg: the unconditional half of the guided velocity carries no gradient, so the update "
+        "follows s * grad(v_cond) (flow_grpo's compute_log_prob); false: the whole guided velocity's.",
+    )
     anchor_coef: float = _f(
         0.0,
         "Velocity anchor on the steps the objective does not train (outside the SDE window; "

@@ -45,6 +45,7 @@ class Advantages:
     filtered_fraction: float  # fraction of groups dropped for zero variance
     dropped_groups: int = 0  # groups left out for a non-finite reward
     dropped_samples: int = 0  # their members
+    clean: torch.Tensor | None = None  # (N,) bool: the sample's group has only finite rewards
 
 
 def _group_stat(values: torch.Tensor, group_ids: torch.Tensor, fn) -> torch.Tensor:
@@ -137,7 +138,7 @@ def compute_advantages(
     if filter_zero_std:
         keep &= ~zero_var
         adv = torch.where(zero_var, torch.zeros_like(adv), adv)
-    return Advantages(adv.float(), keep, n_zero / max(n_groups, 1))
+    return Advantages(adv.float(), keep, n_zero / max(n_groups, 1), clean=torch.ones_like(keep))
 
 
 def _without_nonfinite_groups(
@@ -160,4 +161,6 @@ def _without_nonfinite_groups(
             std,
         )
         values[clean], keep[clean], filtered = sub.values, sub.keep, sub.filtered_fraction
-    return Advantages(values, keep, filtered, dropped_groups=len(bad), dropped_samples=int((~clean).sum()))
+    return Advantages(
+        values, keep, filtered, dropped_groups=len(bad), dropped_samples=int((~clean).sum()), clean=clean
+    )

@@ -23,6 +23,24 @@ def check_objective(cfg) -> None:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     _check_tree_anchor(cfg, objective)
     _check_forward_window(cfg, objective)
+    _check_drop_zero(cfg, objective)
+
+
+def _check_drop_zero(cfg, objective) -> None:
+    """advantage.drop_zero re-lays the kept samples out over the micro-batches: samples,
+    not a tree's edges, and not whole prompt groups."""
+    if not cfg.advantage.drop_zero:
+        return
+    if cfg.rollout.strategy == "tree" and not objective.forward_process:
+        raise ConfigError(
+            "advantage.drop_zero lays out independent samples; a tree trains edges (tree.width_pruning "
+            "and depth_pruning choose them): set advantage.drop_zero false"
+        )
+    if objective.whole_groups:
+        raise ConfigError(
+            f"advantage.drop_zero would split the whole prompt groups objective {cfg.objective.name} "
+            "trains on: set advantage.drop_zero false"
+        )
 
 
 def _check_tree_anchor(cfg, objective) -> None:

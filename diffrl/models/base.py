@@ -208,13 +208,15 @@ class FlowAdapter(ABC):
         sigma: torch.Tensor,
         cond: Conditioning,
         guidance: bool = True,
+        detach_uncond: bool = False,
     ) -> torch.Tensor:
         """Predicted velocity v = dx/dsigma-direction (flow matching: x_t = (1-s) x0 + s x1,
         v = x1 - x0), in fp32 and the shape of ``latents``.
 
         ``transformer`` is passed explicitly so the caller can use a DDP-wrapped policy,
         a frozen reference copy or an exploration copy. ``sigma`` has shape (B,).
-        ``guidance=False`` skips CFG (cond branch only) for families that use CFG.
+        ``guidance=False`` skips CFG (cond branch only) for families that use CFG;
+        ``detach_uncond`` keeps the gradient of the conditional branch only.
         """
 
     @abstractmethod

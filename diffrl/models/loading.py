@@ -172,12 +172,20 @@ class PipelineAdapter(FlowAdapter):
         raise NotImplementedError
 
     def velocity(
-        self, transformer, latents, sigma, cond: Conditioning, guidance: bool = True
+        self,
+        transformer,
+        latents,
+        sigma,
+        cond: Conditioning,
+        guidance: bool = True,
+        detach_uncond: bool = False,
     ) -> torch.Tensor:
         """CFG as one batched forward over [uncond; cond], combined in fp32 as v_u + s (v_c - v_u).
 
         Batching both halves keeps a sample's output independent of what else is in the
-        batch, which the on-policy ratio and replay tests rely on.
+        batch, which the on-policy ratio and replay tests rely on. ``detach_uncond``: v_u
+        carries no gradient (its value is unchanged), as flow_grpo's ``compute_log_prob``
+        (``scripts/train_sd3.py``: ``noise_pred_uncond.detach()``) trains.
         """
         pos = {k: cond.tensors[k] for k in self.cond_keys}
         has_neg = all(f"negative_{k}" in cond.tensors for k in self.cond_keys)
@@ -188,7 +196,7 @@ class PipelineAdapter(FlowAdapter):
             transformer, torch.cat([latents, latents]), torch.cat([sigma, sigma]), both
         ).float()
         v_uncond, v_cond = out.chunk(2)
-        return self._combine_cfg(v_uncond, v_cond, sigma)
+        return self._combine_cfg(v_uncond.detach() if detach_uncond else v_uncond, v_cond, sigma)
 
     def _combine_cfg(self, v_uncond, v_cond, sigma) -> torch.Tensor:
         """The guided velocity from its two fp32 halves; families whose pipelines combine

@@ -280,10 +280,16 @@ class TorchaoCopy(ExplorationCopy):
     backend = "torchao"
 
     def __init__(
-        self, transformer: nn.Module, keep_high=(), compile: bool = True, device=None, precision: str = "fp8"
+        self,
+        transformer: nn.Module,
+        keep_high=(),
+        compile: bool = True,
+        device=None,
+        precision: str = "fp8",
+        min_dim: int = 0,
     ):
         self._config = None
-        super().__init__(transformer, precision, keep_high, device)
+        super().__init__(transformer, precision, keep_high, device, min_dim)
         from torchao.quantization import quantize_
 
         self._quantize_ = quantize_
@@ -360,6 +366,7 @@ def build_exploration_copy(
     forward_loop=None,
     compile: bool = True,
     device=None,
+    min_dim: int = 0,
 ):
     """The exploration copy of ``transformer`` at ``precision`` (``auto``: the one this
     hardware runs fastest, :func:`choose_precision`), on the backend that
@@ -370,24 +377,29 @@ def build_exploration_copy(
 
     ``forward_loop`` (modelopt only) runs calibration batches through a model;
     ``compile`` (torchao only) compiles the model block by block; ``device`` places the
-    copy there before it is quantized (default: the transformer's device).
+    copy there before it is quantized (default: the transformer's device); ``min_dim``
+    keeps layers whose larger dimension is at most that in high precision
+    (``solrl.min_quantized_dim``).
     """
     defaults = default_keep_high(family)  # also checks the family
     patterns = defaults if keep_high is None else tuple(keep_high)
     precision, why_precision = choose_precision(precision)
     chosen, reason = choose_backend(precision, backend)
     if chosen == "modelopt":
-        copy = ModelOptCopy(transformer, precision, patterns, forward_loop=forward_loop, device=device)
+        copy = ModelOptCopy(
+            transformer, precision, patterns, forward_loop=forward_loop, device=device, min_dim=min_dim
+        )
     elif chosen == "torchao":
-        copy = TorchaoCopy(transformer, patterns, compile=compile, device=device, precision=precision)
+        copy = TorchaoCopy(transformer, patterns, compile, device, precision, min_dim)
     else:
-        copy = ExplorationCopy(transformer, precision, patterns, device=device)
+        copy = ExplorationCopy(transformer, precision, patterns, device=device, min_dim=min_dim)
         copy.backend = chosen
     source = f"{family} defaults" if keep_high is None else "custom keep_high"
     if precision == "bf16":
         counts = f"nothing quantized, {len(copy.quantizable)} quantizable layers in BF16"
     else:
-        counts = f"{len(copy.quantized)} layers quantized, {len(copy.kept)} kept high ({source})"
+        counts = f"{len(copy.quantized)} layers quantized, {len(copy.kept)} kept high ({source}"
+        counts += f"; {len(copy.narrow)} at most {min_dim} wide)" if copy.narrow else ")"
         others = len(copy.layer_names) - len(copy.quantizable)
         if others:
             counts += f", {others} non-1x1 convs high"

@@ -14,6 +14,8 @@ def check_precision(cfg) -> None:
 
 def _check_solrl(cfg) -> None:
     sol = cfg.solrl
+    if sol.min_quantized_dim < 0:
+        raise ConfigError(f"solrl.min_quantized_dim must be >= 0 (0: none), got {sol.min_quantized_dim}")
     if not 2 <= cfg.rollout.group_size <= sol.pool_size:
         raise ConfigError(
             f"solrl: rollout.group_size ({cfg.rollout.group_size}) samples per prompt are selected from "

@@ -16,7 +16,10 @@ Other convolutions (patch embeddings, SANA's depthwise 3x3 ``conv_depth``) stay 
 precision.
 
 Layers whose qualified name fully matches a ``keep_high`` pattern stay in high
-precision. Patterns are anchored regexes on purpose: a loose ``proj_out`` substring
+precision, and so, with ``min_dim`` > 0, does every layer whose larger dimension is at
+most ``min_dim`` (Sol-RL's ``nvfp4_min_dim``: its ``replace_linear_with_te`` skips a
+linear when ``max(in, out) <= min_dim``; 2240 keeps SANA's 2240-wide attention
+projections in BF16). Patterns are anchored regexes on purpose: a loose ``proj_out`` substring
 would also keep every FLUX single block's ``proj_out`` (see ``keep_high.py``).
 
 Sync recomputes every quantized weight (and so its amax and scales) from the current
@@ -83,6 +86,13 @@ def with_lora_deltas(
     return weight
 
 
+def layer_dims(module: nn.Module) -> tuple[int, int]:
+    """(in, out) of a linear layer or a 1x1 conv (its channels)."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.in_channels, module.out_channels
+
+
 def merged_weight(module: nn.Module) -> torch.Tensor:
     """The effective fp32 weight of a layer: base + every active LoRA delta."""
     return with_lora_deltas(module, torch.float32, detach=True)
@@ -145,7 +155,7 @@ class ExplorationCopy:
 
     backend = "reference"
 
-    def __init__(self, transformer: nn.Module, precision: str, keep_high=(), device=None):
+    def __init__(self, transformer: nn.Module, precision: str, keep_high=(), device=None, min_dim: int = 0):
         if precision not in PRECISIONS:
             raise ValueError(f"unknown exploration precision '{precision}'; valid: {', '.join(PRECISIONS)}")
         self.precision, self.keep_high = precision, tuple(keep_high)
@@ -158,6 +168,10 @@ class ExplorationCopy:
         self._layer_set = set(self.layer_names)
         self.quantizable = [n for n in self.layer_names if is_quantizable(self.model.get_submodule(n))]
         self.quantized, self.kept = split_keep_high(self.quantizable, self.keep_high)
+        self.narrow = [n for n in self.quantized if max(layer_dims(self.model.get_submodule(n))) <= min_dim]
+        if self.narrow:  # min_dim 0 keeps none: every width is positive
+            self.quantized = [n for n in self.quantized if n not in set(self.narrow)]
+            self.kept = [*self.kept, *self.narrow]
         self._quantized_set = set(self.quantized)
         self._install_quantizers()
         self.sync(transformer)

@@ -54,13 +54,20 @@ class ModelOptCopy(ExplorationCopy):
     backend = "modelopt"
 
     def __init__(
-        self, transformer: nn.Module, precision: str, keep_high=(), forward_loop=None, device=None, fold=True
+        self,
+        transformer: nn.Module,
+        precision: str,
+        keep_high=(),
+        forward_loop=None,
+        device=None,
+        fold=True,
+        min_dim: int = 0,
     ):
         if precision not in ("nvfp4", "fp8"):
             raise ValueError(f"ModelOptCopy quantizes nvfp4 or fp8, not '{precision}'")
         self.forward_loop, self.fold = forward_loop, fold
         self._mtq = None
-        super().__init__(transformer, precision, keep_high, device)
+        super().__init__(transformer, precision, keep_high, device, min_dim)
         import modelopt.torch.quantization as mtq
 
         self._targets = swap_pointwise_convs(self.model, self.quantized)

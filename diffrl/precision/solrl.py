@@ -101,7 +101,14 @@ class SolRLStage:
             from diffrl.precision.backends import build_exploration_copy
 
             self.copy = build_exploration_copy(
-                transformer, s.family, sol.precision, sol.backend, sol.keep_high, log=log, device=device
+                transformer,
+                s.family,
+                sol.precision,
+                sol.backend,
+                sol.keep_high,
+                log=log,
+                device=device,
+                min_dim=sol.min_quantized_dim,
             )
         else:
             log("solrl: exploring with the policy itself (precision bf16, the control)")

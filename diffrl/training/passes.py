@@ -159,6 +159,7 @@ def sample_major(
     anchored: list[int] = (),
     keep: torch.Tensor | None = None,
     groups: torch.Tensor | None = None,
+    refill: torch.Tensor | None = None,
 ) -> list[list[Pass]]:
     """Micro-batches of samples, each trained on a keyed subset of ``trainable`` steps.
     With ``anchored`` steps, each micro-batch also gets anchor passes on a keyed subset
@@ -166,27 +167,33 @@ def sample_major(
     separately, so anchoring never rescales the policy loss. ``keep`` (per sample) marks
     the samples whose loss counts; the others are forwarded with weight 0. With
     ``groups`` (per sample), whole groups are shuffled instead of samples, so a
-    micro-batch of a multiple of the group size holds whole groups."""
+    micro-batch of a multiple of the group size holds whole groups. With ``refill``
+    (``advantage.drop_zero``) the samples ``keep`` leaves out are not forwarded at all:
+    :func:`dropped_layout`."""
     s = PassSettings.of(cfg)
     mb, accum = s.micro_batch_size, s.gradient_accumulation
     first = s.timestep_selection == "first"
     order = _shuffled(n, groups, rng.generator(s.seed, "shuffle", step, epoch))
-    batches = [order[i : i + mb] for i in range(0, n, mb)]
+    if refill is None:
+        batches = [order[i : i + mb] for i in range(0, n, mb)]
+        counted = [_counted(keep, idx) for idx in batches]
+    else:
+        batches, counted = dropped_layout(order, keep, refill, math.ceil(n / mb), s.seed, step)
     anchored = list(anchored)
     groups = []
     for start in range(0, len(batches), accum):
         chunk = list(enumerate(batches[start : start + accum]))
         pairs = [
-            (idx, t)
+            (idx, t, counted[start + j])
             for j, idx in chunk
             for t in train_timesteps(
                 trainable, s.timestep_fraction, s.seed, "t", step, epoch, start, j, first=first
             )
         ]
-        passes = [Pass(idx, t, (1, len(pairs)), _counted(keep, idx)) for idx, t in pairs]
+        passes = [Pass(idx, t, (1, len(pairs)), flags) for idx, t, flags in pairs]
         if anchored:
             extra = [
-                (idx, t)
+                (idx, t, counted[start + j])
                 for j, idx in chunk
                 for t in train_timesteps(
                     anchored,
@@ -200,9 +207,37 @@ def sample_major(
                     round_up=True,
                 )
             ]
-            passes += [Pass(idx, t, (1, len(extra)), _counted(keep, idx), anchor=True) for idx, t in extra]
+            passes += [Pass(idx, t, (1, len(extra)), flags, anchor=True) for idx, t, flags in extra]
         groups.append(passes)
     return groups
+
+
+def dropped_layout(
+    order: list[int], keep: torch.Tensor, refill: torch.Tensor, n_batches: int, seed: int, step: int
+) -> tuple[list[list[int]], list[list[bool] | None]]:
+    """flow_grpo's layout of the samples that train (``scripts/train_sd3.py`` at ac4c86e,
+    right after the advantages): every sample whose advantage is 0 across its steps is
+    dropped; if the kept count is not a multiple of the micro-batch count, as many dropped
+    ones as are missing come back (only when there are enough; flow_grpo picks them with
+    ``torch.randperm``, we key the pick by (seed, iteration), so every inner epoch has the
+    same); the kept samples, in the epoch's shuffled ``order``, fill ``n_batches``
+    micro-batches of equal size, which is what each sample's loss is averaged over.
+
+    ``keep`` marks the samples that stay, ``refill`` those that may come back. Returns the
+    micro-batches and each one's ``counted`` flags (None: every row counts). Where nothing
+    is left for a micro-batch, it forwards one dead row that counts nowhere, so that every
+    process still runs the same passes (flow_grpo would stop there)."""
+    kept = keep.bool().clone()
+    short = (-int(kept.sum())) % n_batches
+    spare = torch.nonzero(refill.bool() & ~kept).flatten()
+    if short and len(spare) >= short:
+        chosen = torch.randperm(len(spare), generator=rng.generator(seed, "refill", step))[:short]
+        kept[spare[chosen]] = True
+    rows = [i for i in order if bool(kept[i])]
+    cuts = [round(k * len(rows) / n_batches) for k in range(n_batches + 1)]
+    batches = [rows[cuts[k] : cuts[k + 1]] for k in range(n_batches)]
+    counted = [None if batch else [False] for batch in batches]
+    return [batch or order[:1] for batch in batches], counted
 
 
 def step_edge_counts(train: torch.Tensor, depth: torch.Tensor, cfg) -> dict[int, int]:

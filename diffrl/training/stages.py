@@ -46,3 +46,6 @@ class Credit:
     dropped_groups: int  # groups left out for a non-finite reward
     edges: torch.Tensor | None = None
     stats: dict = field(default_factory=dict)
+    # advantage.drop_zero (independent rollouts): the samples with advantage exactly 0 that
+    # may come back to fill the micro-batches evenly (``keep`` is then False for all of them)
+    refill: torch.Tensor | None = None

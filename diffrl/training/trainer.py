@@ -203,7 +203,11 @@ class Trainer:
         )
         n, rank = len(r.total), self.acc.process_index
         sl = slice(rank * n, (rank + 1) * n)
-        return Credit(all_total, adv.values[sl], adv.keep[sl], adv.filtered_fraction, adv.dropped_groups)
+        values, keep, refill = adv.values[sl], adv.keep[sl], None
+        if a.drop_zero:  # flow_grpo: a zero advantage leaves the update, a few may come back
+            zero = values == 0
+            refill, keep = zero & adv.clean[sl], keep & ~zero
+        return Credit(all_total, values, keep, adv.filtered_fraction, adv.dropped_groups, refill=refill)
 
     def tree_advantages(self, r: Rollout, step: int) -> Credit:
         """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""

@@ -139,9 +139,12 @@ class Updater:
 
     def loss_context(self) -> LossContext:
         guidance = self.settings.objective.train_cfg
+        detach_uncond = self.settings.objective.detach_uncond  # flow_grpo's compute_log_prob
 
         def policy_velocity(x, sigma, cond):
-            return self.adapter.velocity(self.model, x, sigma, cond, guidance=guidance)
+            return self.adapter.velocity(
+                self.model, x, sigma, cond, guidance=guidance, detach_uncond=detach_uncond
+            )
 
         def reference_velocity(x, sigma, cond):
             with self.policy.reference() as ref:
@@ -175,7 +178,7 @@ class Updater:
         ctx = self.loss_context()
         advantages, keep, train = credit.advantages, credit.keep, credit.edges
         if train is None:
-            plan = self._sample_plan(traj, keep, step)
+            plan = self._sample_plan(traj, keep, step, credit.refill)
         else:
             if s.objective.skip_last_step:  # the edges into the last depth are the last step's
                 train = train & (traj.depth.to(train.device) != traj.num_steps)
@@ -192,8 +195,9 @@ class Updater:
                 self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
         return _means(totals, self.acc.device)
 
-    def _sample_plan(self, traj, keep, step: int):
-        """The per-epoch pass plan of independent trajectories (:func:`sample_major`)."""
+    def _sample_plan(self, traj, keep, step: int, refill=None):
+        """The per-epoch pass plan of independent trajectories (:func:`sample_major`;
+        ``refill``: advantage.drop_zero's layout, :func:`~diffrl.training.passes.dropped_layout`)."""
         s = self.settings
         # a forward-process objective (NFT) noises x0 afresh: every step's sigma is usable
         trainable = self._forward_steps(traj) if self.forward_process else traj.trainable_steps()
@@ -210,7 +214,9 @@ class Updater:
         whole = _prompt_groups(traj, range(len(traj.keys))) if self.whole_groups else None
 
         def plan(epoch):
-            return sample_major(len(traj.keys), trainable, s.passes, step, epoch, anchored, keep, whole)
+            return sample_major(
+                len(traj.keys), trainable, s.passes, step, epoch, anchored, keep, whole, refill
+            )
 
         return plan
 

@@ -170,3 +170,26 @@ def test_activation_quantizer_in_chunks_equals_one_piece(precision):
     chunked = _activation_quantizer(precision, chunk_elements=2 * 5 * 48)(x)  # 2 samples a chunk
     assert chunked.dtype == x.dtype and torch.equal(whole, chunked)
     assert not torch.equal(whole, x)  # it quantized
+
+
+def test_min_dim_keeps_the_narrow_layers_high_as_sol_rl_does():
+    """solrl.min_quantized_dim: Sol-RL's replace_linear_with_te skips a linear when
+    max(in, out) <= nvfp4_min_dim; those layers hold the merged weights as they are."""
+    from diffrl.precision.exploration import layer_dims
+
+    _, policy = _policy("sana")  # linears and 1x1 convs of several widths
+    _perturb_lora(policy, 0)
+    full = ExplorationCopy(policy.transformer, "nvfp4", keep_high=())
+    widths = sorted({max(layer_dims(full.model.get_submodule(n))) for n in full.quantized})
+    cut = widths[len(widths) // 2 - 1]  # quantize only the wider half
+    copy = ExplorationCopy(policy.transformer, "nvfp4", keep_high=(), min_dim=cut)
+    assert copy.narrow and sorted(copy.narrow + copy.quantized) == sorted(full.quantized)
+    assert all(max(layer_dims(copy.model.get_submodule(n))) > cut for n in copy.quantized)
+    assert all(max(layer_dims(copy.model.get_submodule(n))) <= cut for n in copy.narrow)
+    source = dict(policy.transformer.named_modules())
+    for name in copy.narrow:  # high precision: the merged weight itself
+        expected = merged_weight(source[name]).reshape(copy.model.get_submodule(name).weight.shape)
+        assert torch.equal(copy.model.get_submodule(name).weight, expected.to(expected.dtype))
+    name = copy.quantized[0]  # and the rest still quantized
+    weight = copy.model.get_submodule(name).weight
+    assert not torch.equal(weight, merged_weight(source[name]).reshape(weight.shape).to(weight.dtype))

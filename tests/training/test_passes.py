@@ -237,3 +237,60 @@ def test_edges_per_step_steps_the_optimizer_as_branchgrpo_does():
         assert sum(Fraction(*p.share) for p in g) == 1
     plan = derive(_cfg(*base, "tree.edges_per_step=12"))
     assert plan["optimizer_steps_per_iteration"] > derive(_cfg(*base))["optimizer_steps_per_iteration"]
+
+
+# -- advantage.drop_zero: flow_grpo's layout of the samples that train ---------------------
+def _flow_grpo_layout(keep: list[bool], refill_pick: list[int], n_batches: int, order: list[int]):
+    """flow_grpo's scripts/train_sd3.py (ac4c86e) after the advantages, written out: the mask
+    of nonzero advantages, topped up to a multiple of num_batches_per_epoch with the given
+    picks among the False entries (its torch.randperm), then the kept samples in the
+    shuffled order, reshaped into num_batches_per_epoch equal micro-batches."""
+    mask = list(keep)
+    short = (n_batches - sum(mask) % n_batches) % n_batches
+    false_indices = [i for i, m in enumerate(mask) if not m]
+    if short and len(false_indices) >= short:
+        for i in refill_pick[:short]:
+            mask[false_indices[i]] = True
+    rows = [i for i in order if mask[i]]
+    size = len(rows) // n_batches
+    return [rows[k * size : (k + 1) * size] for k in range(n_batches)]
+
+
+def test_dropped_layout_is_flow_grpo_s_and_refills_the_same_in_every_epoch():
+    from diffrl.sampling import rng
+    from diffrl.training.passes import dropped_layout
+
+    keep = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0], dtype=torch.bool)  # 7 kept
+    refill = ~keep  # every zero-advantage sample may come back
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(3)).tolist()
+    batches, counted = dropped_layout(order, keep, refill, 4, seed=0, step=5)
+    pick = torch.randperm(5, generator=rng.generator(0, "refill", 5)).tolist()
+    assert batches == _flow_grpo_layout(keep.tolist(), pick, 4, order)
+    assert [len(b) for b in batches] == [2, 2, 2, 2] and counted == [None] * 4  # 7 + 1 refilled
+    again, _ = dropped_layout(list(reversed(order)), keep, refill, 4, seed=0, step=5)  # another epoch
+    assert sorted(i for b in again for i in b) == sorted(i for b in batches for i in b)
+
+
+def test_dropped_layout_without_enough_refill_keeps_the_kept_and_never_stalls():
+    from diffrl.training.passes import dropped_layout
+
+    keep = torch.tensor([1, 1, 1, 0, 0], dtype=torch.bool)
+    refill = torch.tensor([0, 0, 0, 1, 0], dtype=torch.bool)  # 1 may come back, 1 is needed for 4
+    batches, counted = dropped_layout([0, 1, 2, 3, 4], keep, refill, 2, seed=0, step=0)
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3] and counted == [None, None]
+    batches, counted = dropped_layout([4, 3, 2, 1, 0], keep, refill & False, 2, seed=0, step=0)
+    assert sorted(len(b) for b in batches) == [1, 2]  # 3 over 2: as even as it goes
+    nothing = torch.zeros(5, dtype=torch.bool)
+    batches, counted = dropped_layout([2, 0, 1, 3, 4], nothing, nothing, 3, seed=0, step=0)
+    assert batches == [[2], [2], [2]] and counted == [[False]] * 3  # one dead row a micro-batch
+
+
+def test_sample_major_with_drop_zero_forwards_no_zero_advantage_sample():
+    cfg = load_config("tiny_flux_flowgrpo", ["train.micro_batch_size=4", "train.gradient_accumulation=1"])
+    keep = torch.tensor([True, False] * 6)  # 12 samples, 6 zero advantages, 3 micro-batches
+    plan = sample_major(12, [0, 1], cfg, step=0, epoch=0, keep=keep, refill=~keep)
+    rows = [r for group in plan for p in group for r in p.rows]
+    assert set(rows) == set(range(0, 12, 2)) and all(p.counted is None for g in plan for p in g)
+    assert len(plan) == 3 and all(len(p.rows) == 2 for g in plan for p in g)
+    masked = sample_major(12, [0, 1], cfg, step=0, epoch=0, keep=keep)  # the default: in place, weight 0
+    assert {r for group in masked for p in group for r in p.rows} == set(range(12))
