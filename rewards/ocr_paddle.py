@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from rewards.errors import UserError
 
-class PaddleOCRMissing(ImportError):
+
+class PaddleOCRMissing(UserError, ImportError):
     """PaddleOCR (or the paddlepaddle it runs on) does not import here."""
 
 

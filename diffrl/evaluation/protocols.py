@@ -7,7 +7,8 @@
   task's accuracy in the file's order, and the overall score, the mean over tasks.
   flow_grpo's strict verdict is reported beside it.
 * ``ocr``: flow_grpo's OCR test set (``ocr/test``, 1018 prompts), one image each, its
-  accuracy 1 - d / |text| and the share spelled exactly.
+  accuracy 1 - d / |text| and the share spelled exactly, read by PaddleOCR as the papers
+  read it (``--reward-arg ocr.engine=trocr`` where PaddleOCR cannot be installed).
 * ``drawbench``: DrawBench's 200 prompts, ``hpdv2``: HPSv2's benchmark (800 prompts in
   each of four styles): one image a prompt, the mean of HPSv2.1, PickScore, ImageReward,
   CLIPScore and the LAION aesthetic score with standard errors, by category or style.
@@ -61,7 +62,7 @@ PROTOCOLS = {
         Protocol("geneval", "geneval/eval", 4, ("geneval",), "GenEval (arXiv:2310.11513), summary_scores.py",
                  {"geneval": {"score": "geneval"}}, _geneval_table),
         Protocol("ocr", "ocr/test", 1, ("ocr",), "flow_grpo's OCR test accuracy (arXiv:2505.05470)",
-                 table=_ocr_means),
+                 {"ocr": {"engine": "paddleocr"}}, _ocr_means),
         Protocol("drawbench", "drawbench", 1, REWARD_MEANS, "DrawBench (Imagen, arXiv:2205.11487)"),
         Protocol("hpdv2", "hpdv2/benchmark", 1, REWARD_MEANS, "HPSv2's benchmark (arXiv:2306.09341)"),
         Protocol("shapeworld", None, 2, ("shapeworld",), "ShapeWorld held-out prompts (docs/SHAPEWORLD.md)"),

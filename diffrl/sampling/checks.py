@@ -82,6 +82,10 @@ def _check_tree(cfg) -> None:
         )
     if cfg.sampling.sde_type == "ode":
         raise ConfigError("tree splits need a stochastic step: set sampling.sde_type to sde, cps or dance")
+    if tree.shared_root_noise < 1:
+        raise ConfigError(
+            f"tree.shared_root_noise must be >= 1 (1: every tree its own), got {tree.shared_root_noise}"
+        )
     if tree.edges_per_step < 0:
         raise ConfigError("tree.edges_per_step must be >= 0 (0: the leaves decide the optimizer steps)")
     if tree.split_noise_scale <= 0 or tree.fusion_temperature <= 0 or not 0 < tree.width_keep_fraction <= 1:

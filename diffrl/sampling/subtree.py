@@ -26,7 +26,14 @@ import torch
 from diffrl.sampling import rng
 from diffrl.sampling.rollout import initial_noise
 from diffrl.sampling.settings import SamplerSettings
-from diffrl.sampling.tree import TreeGrowth, TreeLayout, TreeTrajectory, decode_leaves, edge_noise
+from diffrl.sampling.tree import (
+    TreeGrowth,
+    TreeLayout,
+    TreeTrajectory,
+    decode_leaves,
+    edge_noise,
+    root_noise_keys,
+)
 
 
 def subtree_nodes(tree: TreeLayout, leaves) -> torch.Tensor:
@@ -72,7 +79,7 @@ def regenerate_subtree(
     )
     idle = idle_forwards_per_level(depth, pool.num_steps, cfg.batch_size, align_forwards)
     shape, scales = adapter.latent_shape(), pool.spec.draw_scales()
-    root_keys = [(*pool.root_keys[k], 0) for k in tree[roots].tolist()]
+    root_keys = root_noise_keys([pool.root_keys[k] for k in tree[roots].tolist()], pool.spec.root_block)
     x = grow.start(rng.to_device(initial_noise(shape, root_keys), adapter.device))
     for t in range(pool.num_steps):
         here = torch.nonzero(depth == t).flatten()

@@ -161,6 +161,15 @@ class TreePool(TreeLayout):
     images: torch.Tensor | None = None  # (L, ...) decoded leaves; dropped once scored
 
 
+def root_noise_keys(roots: list[tuple], block: int = 1) -> list[tuple]:
+    """The initial-noise key of each tree, ``(*root, 0)`` (its first leaf's); with ``block``
+    N > 1, consecutive prompt groups share the first one's in blocks of N, as BranchGRPO's
+    ``init_same_noise`` makes the trees one GPU grows in a call share one root noise
+    (``fastvideo/train_branchgrpo_flux.py:806-829``: one draw, repeated over the batch).
+    A root is (seed, iteration, prompt group)."""
+    return [(*r[:-1], r[-1] // block * block, 0) if block > 1 else (*r, 0) for r in roots]
+
+
 def trees_from_keys(keys, leaves: int) -> tuple[list[tuple], list[int]]:
     """Group per-leaf keys ``(*root, leaf)`` into trees; each tree must list its leaves
     0..leaves-1 contiguously (the sample plan's group-major order)."""
@@ -277,7 +286,9 @@ def rollout_tree(
     lay = spec.layout(len(roots))
 
     grow = TreeGrowth(adapter, transformer, cond, cond_rows, sigmas, kinds, levels, cfg, keep_steps)
-    x = grow.start(rng.to_device(initial_noise(shape, [(*r, 0) for r in roots]), adapter.device))
+    x = grow.start(
+        rng.to_device(initial_noise(shape, root_noise_keys(roots, spec.root_block)), adapter.device)
+    )
     for t, kind in enumerate(kinds):
         here = lay["depth"] == t
         tree_of, ord_of = lay["tree"][here], lay["ordinal"][here]

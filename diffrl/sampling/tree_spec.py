@@ -19,6 +19,7 @@ class TreeSpec:
     factors: tuple[int, ...]
     split_noise_scale: float = 1.0
     split_noise: str = "level"  # "level": scale the step's noise level; "draw": only the drawn noise
+    root_block: int = 1  # tree.shared_root_noise: consecutive trees sharing one root noise
 
     @classmethod
     def build(
@@ -28,6 +29,7 @@ class TreeSpec:
         branch_factors,
         split_noise_scale: float = 1.0,
         split_noise: str = "level",
+        root_block: int = 1,
     ) -> TreeSpec:
         if split_noise not in ("level", "draw"):
             raise ValueError(f"tree.split_noise must be 'level' or 'draw', got '{split_noise}'")
@@ -36,13 +38,18 @@ class TreeSpec:
         factors = [1] * num_steps
         for s, f in zip(splits, per_split):
             factors[s] = int(f)
-        return cls(tuple(factors), float(split_noise_scale), split_noise)
+        return cls(tuple(factors), float(split_noise_scale), split_noise, int(root_block))
 
     @classmethod
     def from_config(cls, cfg) -> TreeSpec:
         t = cfg.tree  # a Config or SamplerSettings: both have .sampling and .tree
         return cls.build(
-            cfg.sampling.num_steps, t.split_steps, t.branch_factors, t.split_noise_scale, t.split_noise
+            cfg.sampling.num_steps,
+            t.split_steps,
+            t.branch_factors,
+            t.split_noise_scale,
+            t.split_noise,
+            t.shared_root_noise,
         )
 
     @property

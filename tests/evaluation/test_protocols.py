@@ -314,3 +314,27 @@ def test_a_hub_lora_id_is_fetched_and_scores_as_the_same_folder(tmp_path, monkey
         path.rsplit("/", 1)[-1] for method, path in hub.requests if method == "GET" and "/resolve/" in path
     }
     assert fetched == {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def test_the_ocr_protocol_reads_with_paddleocr_as_the_papers_do(monkeypatch):
+    """Issue 60, item 6: PaddleOCR by default; where it does not import, one line that
+    names the install and the TrOCR fallback (a UserError: no traceback)."""
+    import builtins
+
+    from rewards.errors import UserError
+    from rewards.ocr_paddle import PaddleOCRMissing, build_engine
+
+    specs = reward_specs(P.PROTOCOLS["ocr"], None, [])
+    assert specs == [{"name": "ocr", "args": {"engine": "paddleocr"}}]
+    assert reward_specs(P.PROTOCOLS["ocr"], None, ["ocr.engine=trocr"])[0]["args"] == {"engine": "trocr"}
+    real_import = builtins.__import__
+
+    def no_paddle(name, *args, **kwargs):
+        if name == "paddleocr":
+            raise ImportError("No module named 'paddleocr'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_paddle)
+    with pytest.raises(PaddleOCRMissing, match=r"pip install 'diffrl\[paddleocr\]'.*or engine: trocr") as err:
+        build_engine()
+    assert isinstance(err.value, UserError)

@@ -262,3 +262,22 @@ def test_on_policy_ratio_is_one_on_every_tree_edge_including_scaled_splits():
             with torch.no_grad():
                 _, stats = flow_grpo_loss(ctx, batch)
             assert (abs(stats["ratio"].item() - 1) < 1e-5) == on_policy, (t, level)
+
+
+def test_shared_root_noise_gives_consecutive_trees_one_root_as_branchgrpo_does():
+    """tree.shared_root_noise N: the trees of N consecutive prompts start from one noise
+    (BranchGRPO's init_same_noise, the trees one GPU grows in a call); their branches,
+    keyed per tree, still differ."""
+    from diffrl.sampling.tree import root_noise_keys
+
+    assert root_noise_keys([(0, 3, 0), (0, 3, 1), (0, 3, 2)], 2) == [(0, 3, 0, 0), (0, 3, 0, 0), (0, 3, 2, 0)]
+    assert root_noise_keys([(0, 3, 1)]) == [(0, 3, 1, 0)]
+    roots = {}
+    for shared in (1, 2):
+        cfg, adapter, cond, tree = _toy_tree((0, 1), (2,), 3, 1.0, f"tree.shared_root_noise={shared}")
+        start = tree.latents[tree.depth == 0]  # one root per tree, in tree order
+        roots[shared] = start
+        leaves = tree.latents[tree.depth == tree.num_steps]
+        assert not torch.equal(leaves[0], leaves[4])  # trees 0 and 1 branch differently
+    assert torch.equal(roots[2][0], roots[2][1]) and not torch.equal(roots[2][0], roots[2][2])
+    assert torch.equal(roots[2][2], roots[1][2]) and not torch.equal(roots[1][0], roots[1][1])

@@ -66,11 +66,12 @@ def test_bf16_independent_pool_is_reproduced_exactly(tmp_path, batch_size):
     assert out.metrics["solrl/explore_nfe"] == len(plan.keys) * trainer.cfg.sampling.num_steps
 
 
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_bf16_tree_pool_sub_tree_is_reproduced_exactly(tmp_path, batch_size):
-    trainer = Trainer(
-        _cfg("tiny_flux_solrl", tmp_path, "solrl.precision=bf16", f"rollout.batch_size={batch_size}")
-    )
+@pytest.mark.parametrize("batch_size,shared", [(1, 1), (8, 1), (8, 2)])
+def test_bf16_tree_pool_sub_tree_is_reproduced_exactly(tmp_path, batch_size, shared):
+    """shared 2: the two trees share their root noise (tree.shared_root_noise), and the
+    sub-tree regeneration replays that shared root."""
+    sets = ["solrl.precision=bf16", f"rollout.batch_size={batch_size}", f"tree.shared_root_noise={shared}"]
+    trainer = Trainer(_cfg("tiny_flux_solrl", tmp_path, *sets))
     _perturb(trainer)
     pool, out, _ = _stage_run(trainer)
     n = trainer.cfg.solrl.pool_size
