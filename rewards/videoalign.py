@@ -25,6 +25,12 @@ Reference: KwaiVGI/VideoAlign @219ab9d (``inference.py``, ``trainer.py``, ``util
   2; indices ``linspace(0, T - 1, n).round()``), resized bicubic with antialias to a
   multiple of 28 with at most ``max_pixels`` and at least 128 * 28 * 28 pixels
   (``smart_resize``), values 0-255 rescaled by the processor.
+* **Positions** (``Qwen2VLRewardModelBT.forward``, trainer.py:115-125): the text model is
+  called with ``position_ids=None``, which transformers 4.45's ``Qwen2VLModel`` turns into
+  plain 1-D positions 0..L-1 on all three M-RoPE axes (the video tokens are not given their
+  (t, h, w) grid positions). The released model was trained and is scored that way, so
+  :func:`text_positions` passes exactly those; left to itself, today's ``Qwen2VLModel``
+  computes 3-D M-RoPE positions and every score moves.
 * **Scores** (``reward``): each criterion normalised by ``inference_config``'s mean and std
   (``use_norm``), Overall = VQ + MQ + TA.
 
@@ -58,9 +64,8 @@ TEMPLATE_NAMES = {"detailed_special": "DETAILED_PROMPT_WITH_SPECIAL_TOKEN"}
 # vision_process.py's constants
 FACTOR, FRAME_FACTOR, MIN_FRAMES, MAX_FRAMES = 28, 2, 4, 768
 VIDEO_MIN_PIXELS = 128 * 28 * 28
-# what the processor returns that the model reads (mm_token_type_ids: newer transformers'
-# M-RoPE bookkeeping)
-MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")
+# what the processor returns that the model reads (positions are passed, see text_positions)
+MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values_videos", "video_grid_thw")
 
 
 class VideoAlignError(ValueError):
@@ -110,6 +115,14 @@ def clip_frames(clip: torch.Tensor, video_fps: float, fps: float, max_pixels: in
     frames = (clip[sampled_frames(clip.shape[0], video_fps, fps)].clamp(0, 1) * 255).round().to(torch.uint8)
     size = resized_size(frames.shape[-2], frames.shape[-1], VIDEO_MIN_PIXELS, max_pixels)
     return TF.resize(frames, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+
+
+def text_positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """(3, B, L) positions 0..L-1 on each M-RoPE axis: what transformers 4.45's
+    ``Qwen2VLModel.forward`` builds from ``cache_position`` when ``position_ids`` is None,
+    the call VideoAlign's reward model makes (trainer.py:115)."""
+    b, length = input_ids.shape
+    return torch.arange(length, device=input_ids.device).view(1, 1, -1).expand(3, b, -1)
 
 
 # -- the template --------------------------------------------------------------------------
@@ -306,7 +319,8 @@ class VideoAlignReward:
         """(B, 3) VQ, MQ, TA as the head reads them, before normalisation."""
         batch = self.inputs(clips, prompts).to(self.device)
         batch["pixel_values_videos"] = batch["pixel_values_videos"].to(self.dtype)
-        hidden = self.model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).last_hidden_state
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        hidden = self.model(**inputs, position_ids=text_positions(batch["input_ids"])).last_hidden_state
         logits = self.head(hidden).float()  # (B, L, output_dim)
         mask = torch.isin(batch["input_ids"], torch.tensor(self.special_ids, device=self.device))
         b = len(prompts)

@@ -143,15 +143,27 @@ def clips(n=2, frames=9, seed=0):
     return torch.rand(n, frames, 3, 32, 40, generator=torch.Generator().manual_seed(seed))
 
 
-def _peft_scores(peft, reward, video, prompts):
-    """The head read as Qwen2VLRewardModelBT.forward reads it, through the PEFT model."""
+def _peft_scores(peft, reward, video, prompts, m_rope=False):
+    """The head read as Qwen2VLRewardModelBT.forward reads it (VideoAlign trainer.py:96-129),
+    through the PEFT model: the token embeddings, the vision tower's merged features
+    scattered over the video tokens, then the text model with ``position_ids=None`` (its
+    own 1-D positions, as transformers 4.45's model makes them). ``m_rope``: instead let
+    today's Qwen2VLModel place the video tokens on their 3-D M-RoPE grid (the old error)."""
     batch = reward.inputs(video, prompts)
     ids = batch["input_ids"]
+    vl = peft.base_model.model.model  # Qwen2VLModel: .visual, .language_model
     with torch.no_grad():
-        inputs = {k: v for k, v in batch.items() if k != "pixel_values_videos"}
-        hidden = peft.base_model.model.model(
-            **inputs, pixel_values_videos=batch["pixel_values_videos"]
-        ).last_hidden_state
+        if m_rope:
+            inputs = {k: v for k, v in batch.items() if k != "pixel_values_videos"}
+            hidden = vl(**inputs, pixel_values_videos=batch["pixel_values_videos"]).last_hidden_state
+        else:
+            embeds = vl.language_model.embed_tokens(ids)
+            features = vl.visual(batch["pixel_values_videos"], grid_thw=batch["video_grid_thw"]).pooler_output
+            video_tokens = (ids == vl.config.video_token_id).unsqueeze(-1).expand_as(embeds)
+            embeds = embeds.masked_scatter(video_tokens, features.to(embeds.dtype))
+            hidden = vl.language_model(
+                inputs_embeds=embeds, attention_mask=batch["attention_mask"], position_ids=None
+            ).last_hidden_state
         logits = peft.base_model.model.rm_head(hidden)
     tokens = reward.processor.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     mask = torch.zeros_like(ids, dtype=torch.bool)
@@ -173,6 +185,9 @@ def test_scores_equal_the_peft_model_s(release, reward):
     torch.testing.assert_close(got, normed, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out["videoalign"], normed.sum(1), rtol=1e-4, atol=1e-5)  # overall
     assert expected.std() > 1e-3  # the random head reads something that varies
+    # the positions matter: on the 3-D M-RoPE grid today's model builds, the scores move
+    m_rope = _peft_scores(peft, reward, video, prompts, m_rope=True)
+    assert (m_rope - expected).abs().max() > 1e-3
 
 
 def test_lora_matters_and_batching_does_not(release, reward):
