@@ -115,11 +115,13 @@ def _interrupted_message(cfg) -> str:
 
 
 def _check_inputs(cfg) -> None:
-    """What every start checks before touching the run directory or loading weights: reward
-    names and argument names, and the prompt files."""
+    """What every start, ``--dry-run`` and ``--preflight`` check before touching the run
+    directory or loading weights: reward names and argument names, the prompt files, and
+    each reward's prompt check on them (a caption GenEval cannot read, a prompt OCR has no
+    quoted text in)."""
     from diffrl.data.prompts import check_image_column, load_prompts
     from diffrl.models import adapter_class
-    from rewards.combine import check_reward_specs
+    from rewards.combine import check_prompts_without_weights, check_reward_specs
 
     check_reward_specs(cfg.rewards)
     paths = [cfg.data.train_prompts] + (
@@ -129,6 +131,7 @@ def _check_inputs(cfg) -> None:
     edits = adapter_class(cfg.model.family).edits_images
     for path, prompts in loaded:
         check_image_column(prompts, path, cfg.model.family, edits)
+        check_prompts_without_weights(cfg.rewards, prompts, str(path))
 
 
 def _preflight_only(cfg) -> int:
@@ -140,6 +143,9 @@ def _preflight_only(cfg) -> int:
     needs = preflight(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print(report(needs))
+    if not all(n.found for n in needs if n.what.startswith(("prompt set", "prompt file"))):
+        return 2  # the prompts cannot be read yet: the list says what to fetch first
+    _check_inputs(cfg)  # the prompts, and what each reward can score of them
     return 0 if all(n.found for n in needs) else 2
 
 

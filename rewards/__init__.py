@@ -76,11 +76,27 @@ def check(name: str, **kwargs) -> None:
     _check_arg_names(name, _factory(name), kwargs)
 
 
+def prompt_checker(name: str, **kwargs):
+    """The reward's own prompt check, ``check(prompts)`` raising one error for the bad ones,
+    made without loading weights or reaching a server: the factory's ``prompt_checker``
+    classmethod given the config's ``args``. None when the reward reads any prompt (or, like
+    ``remote``, can only ask its server, which the run's start does)."""
+    factory = _factory(name)
+    _check_arg_names(name, factory, kwargs)
+    make = getattr(factory, "prompt_checker", None)
+    return _called(name, make, kwargs) if make is not None else None
+
+
 def build(name: str, **kwargs):
     factory = _factory(name)
     _check_arg_names(name, factory, kwargs)
+    return _called(name, factory, kwargs)
+
+
+def _called(name: str, make, kwargs: dict):
+    """``make(**kwargs)``, a plain TypeError / ValueError turned into one line naming the reward."""
     try:
-        return factory(**kwargs)
+        return make(**kwargs)
     except (TypeError, ValueError) as err:
         if type(err) not in (TypeError, ValueError):  # a reward's own error type already says it all
             raise
@@ -112,6 +128,7 @@ __all__ = [
     "available",
     "build",
     "check",
+    "prompt_checker",
     "register",
     "unregister",
 ]

@@ -197,11 +197,13 @@ def reward_images(images, reward: str) -> torch.Tensor:
     return batch
 
 
-def reward_prompts(prompts, n: int, reward: str) -> list[str]:
+def reward_prompts(prompts, n: int, reward: str, keep_metadata: bool = False) -> list[str]:
+    """One plain string per image (tokenizers get no ``str`` subclasses); ``keep_metadata``
+    keeps :class:`~rewards.prompts.AnnotatedPrompt` objects for rewards that read it."""
     if isinstance(prompts, str) or prompts is None or len(prompts) != n:
         got = "None" if prompts is None else repr(prompts) if isinstance(prompts, str) else f"{len(prompts)}"
         raise RewardInputError(f"{reward} needs one prompt per image: {n} images, prompts={got}")
-    return [str(p) for p in prompts]
+    return [p if keep_metadata and hasattr(p, "metadata") else str(p) for p in prompts]
 
 
 def resize_bicubic(images: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
@@ -296,6 +298,7 @@ class ClipReward:
     name = "clip_reward"
     differentiable = True
     needs_prompts = True  # False for image-only scores (aesthetic): prompts are then ignored
+    reads_metadata = False  # True where a prompt's line metadata is scored (geneval)
 
     def __init__(self, device=None, dtype="float32", batch_size: int = 16):
         if int(batch_size) < 1:
@@ -334,7 +337,9 @@ class ClipReward:
         else:
             batches = [reward_images(images, self.name)]
         n = sum(b.shape[0] for b in batches)
-        prompts = reward_prompts(prompts, n, self.name) if self.needs_prompts else [""] * n
+        prompts = (
+            reward_prompts(prompts, n, self.name, self.reads_metadata) if self.needs_prompts else [""] * n
+        )
         parts, start = [], 0
         for batch in batches:
             stop = start + batch.shape[0]

@@ -34,6 +34,24 @@ def check_reward_specs(specs) -> None:
         rewards.check(s.name, **dict(s.args))
 
 
+def check_prompts_without_weights(specs, prompts: list[str], source: str = "prompts") -> None:
+    """Every configured reward's prompt check (:func:`rewards.prompt_checker`) with no weights
+    loaded: what ``--dry-run``, ``--preflight`` and a run's start check before any model is
+    built, so a prompt a reward cannot score stops the run in seconds, not after loading."""
+    for s in specs:
+        check = rewards.prompt_checker(s.name, **dict(s.args))
+        _run_check(check, prompts, source)
+
+
+def _run_check(check, prompts: list[str], source: str) -> None:
+    if check is None or not prompts:
+        return
+    try:
+        check(prompts)
+    except ValueError as err:
+        raise RewardPromptError(f"{source}: {err}") from None
+
+
 class MultiReward:
     """Build each configured reward once and combine them: total = sum_k w_k r_k."""
 
@@ -56,12 +74,7 @@ class MultiReward:
         """Let rewards that only understand a prompt grammar reject a prompt list up front
         (one clear error at start-up instead of zero rewards mid-run)."""
         for model in self.models:
-            check = getattr(model, "check_prompts", None)
-            if check is not None and prompts:
-                try:
-                    check(prompts)
-                except ValueError as err:
-                    raise RewardPromptError(f"{source}: {err}") from None
+            _run_check(getattr(model, "check_prompts", None), prompts, source)
 
     @property
     def scores_elsewhere(self) -> bool:

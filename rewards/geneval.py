@@ -7,8 +7,11 @@ pre- and post-processing), by default; an OWLv2 or OWL-ViT checkpoint (open voca
 boxes only) may be given instead. To score with GenEval's official mmdetection stack, use
 the ``reward_server`` reward against flow_grpo's reward server (:mod:`rewards.reward_server`).
 
-Prompts are GenEval captions ("a photo of two dogs", "a photo of a cat left of a dog", ...),
-parsed into GenEval's metadata. Scores, all logged (``score`` picks the one optimised):
+A prompt's task comes from the GenEval metadata its line carries (``tag``, ``include``,
+``exclude`` of GenEval's and flow_grpo's ``*_metadata.jsonl``, as flow_grpo's reward server
+scores), else from its caption ("a photo of two dogs", "a photo of a cat left of a dog",
+...: GenEval's templates, any case, a closing full stop, digits or English plurals
+allowed). Scores, all logged (``score`` picks the one optimised):
 
 * ``geneval_partial``: the mean clause credit with exact counts. With ``partial: flow_grpo``
   (the default) it is flow-GRPO's training reward as its reward server computes it
@@ -45,7 +48,6 @@ import torch
 
 from rewards import geneval_rules as rules
 from rewards.clip_common import ClipReward
-from rewards.errors import some_of
 from rewards.geneval_models import (
     DETECTOR_MAX_OVERLAP,
     ClipColours,
@@ -83,6 +85,7 @@ class GenEval(ClipReward):
 
     name = "geneval"
     differentiable = False
+    reads_metadata = True
     default_detector = "facebook/mask2former-swin-small-coco-instance"
     default_clip = "openai/clip-vit-large-patch14"
 
@@ -148,16 +151,23 @@ class GenEval(ClipReward):
         return self
 
     def task(self, prompt: str) -> rules.Task:
-        return rules.parse_caption(prompt, self.classes, self.colour_words)
+        """From the prompt's GenEval metadata when it carries it, else from its caption."""
+        return rules.prompt_task(prompt, self.classes, self.colour_words)
 
     def check_prompts(self, prompts: list[str]) -> None:
-        bad = [p for p in prompts if _task_or_none(self, p) is None]
-        if bad:
-            shown = some_of(bad)
-            raise rules.CaptionError(
-                f"geneval reward: {len(bad)} prompt(s) are not GenEval captions: {shown}. "
-                f"{rules.CAPTION_HELP}"
-            )
+        rules.check_captions(prompts, self.classes, self.colour_words)
+
+    @classmethod
+    def prompt_checker(cls, detector: str | None = None, **_):
+        """The prompt check without the detector and CLIP loaded (``--dry-run``, ``--preflight``):
+        the ShapeWorld vocabulary with ``detector: shapeworld``, GenEval's COCO classes else."""
+        if detector == "shapeworld":
+            from rewards.shapeworld.grammar import COLOURS, SHAPES
+
+            vocabulary = (SHAPES, COLOURS)
+        else:
+            vocabulary = (rules.COCO_CLASSES, rules.GENEVAL_COLOURS)
+        return lambda prompts: rules.check_captions(prompts, *vocabulary)
 
     def judge(self, image: torch.Tensor, task: rules.Task, candidates: dict) -> dict[str, rules.Judgement]:
         """Both verdicts of one image from its unfiltered candidates."""

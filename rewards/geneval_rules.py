@@ -30,6 +30,7 @@ ShapeWorld's centroid margin.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -266,6 +267,27 @@ def plural(name: str) -> str:
     return f"{name}es" if name.endswith("s") else f"{name}s"
 
 
+# English plurals GenEval's rule misses ("knifes", "persons", "computer mouses") and words
+# that are already plural ("skis", "scissors"); a caption may use either spelling
+IRREGULAR_PLURALS = {
+    "person": ("people", "persons"),
+    "knife": ("knives",),
+    "computer mouse": ("computer mice",),
+    "sheep": ("sheep",),
+    "skis": ("skis", "pairs of skis"),
+    "scissors": ("scissors", "pairs of scissors"),
+}
+
+
+def plurals(name: str) -> set[str]:
+    """Every accepted plural of a class: GenEval's, English's (``-es`` after s, x, z, ch,
+    sh; consonant + y -> ies) and the irregular ones."""
+    english = name + ("es" if name.endswith(("s", "x", "z", "ch", "sh")) else "s")
+    if name.endswith("y") and name[-2:-1] not in "aeiou":
+        english = name[:-1] + "ies"
+    return {plural(name), english, *IRREGULAR_PLURALS.get(name, ())}
+
+
 def article(name: str) -> str:
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
@@ -274,14 +296,14 @@ def parse_caption(prompt: str, classes=COCO_CLASSES, colours=GENEVAL_COLOURS) ->
     """The GenEval task a caption from GenEval's six templates asks for (``create_prompts.py``):
     single_object, two_object, counting (which also excludes ``n + 1``), colors, position
     (the second-named object is the target: "a photo of A left of B" puts A left of B) and
-    color_attr. Raises :class:`CaptionError` otherwise."""
-    text = " ".join(str(prompt).strip().split()).lower()
+    color_attr. Case, spacing and a closing full stop do not matter; counts may be words
+    (two to ten, as GenEval writes them) or digits, and plurals GenEval's or English's
+    (:func:`plurals`). Raises :class:`CaptionError` otherwise."""
+    text = " ".join(str(prompt).strip().split()).lower().rstrip(".").rstrip()
     if not text.startswith("a photo of "):
         raise CaptionError(f"{prompt!r} does not start with 'a photo of'. {CAPTION_HELP}")
     rest = text[len("a photo of ") :]
-    objects = {article(c): c for c in classes}
-    tinted = {f"{article(k)} {c}": (k, c) for k in colours for c in classes}
-    counted = {f"{w} {plural(c)}": (n, c) for w, n in NUMBER_WORDS.items() for c in classes}
+    objects, tinted, counted = _phrases(tuple(classes), tuple(colours))
     if rest in objects:
         return Task(prompt, "single_object", (Requirement(objects[rest], 1),))
     if rest in tinted:
@@ -309,9 +331,88 @@ def parse_caption(prompt: str, classes=COCO_CLASSES, colours=GENEVAL_COLOURS) ->
     raise CaptionError(f"{prompt!r} is not a GenEval caption over the known classes. {CAPTION_HELP}")
 
 
+@functools.lru_cache(maxsize=8)
+def _phrases(classes: tuple[str, ...], colours: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """The object phrases a caption is built of ("a dog", "a red dog", "two dogs"), built
+    once per vocabulary (a prompt file is checked caption by caption)."""
+    objects = {article(c): c for c in classes}
+    tinted = {f"{article(k)} {c}": (k, c) for k in colours for c in classes}
+    numbers = {**NUMBER_WORDS, **{str(n): n for n in NUMBER_WORDS.values()}}
+    counted = {f"{w} {p}": (n, c) for w, n in numbers.items() for c in classes for p in plurals(c)}
+    return objects, tinted, counted
+
+
 def _splits(text: str, sep: str):
     """Every way of cutting ``text`` at one occurrence of ``sep`` (class names may contain it)."""
     start = text.find(sep)
     while start != -1:
         yield text[:start], text[start + len(sep) :]
         start = text.find(sep, start + 1)
+
+
+def task_from_metadata(meta: dict, prompt: str, classes=COCO_CLASSES, colours=GENEVAL_COLOURS) -> Task:
+    """The task of a metadata line (GenEval's ``evaluation_metadata.jsonl``, flow_grpo's
+    ``*_metadata.jsonl``: ``tag``, ``include``, optional ``exclude``), checked: every class
+    known, counts positive, colours known, positions naming an earlier include. This is
+    what flow_grpo's reward server scores from (``gen_eval.py: evaluate_reward`` reads
+    ``metadata["include"]``); the caption text is not parsed. Raises :class:`CaptionError`
+    naming the first problem."""
+
+    def fail(what: str):
+        raise CaptionError(f"{str(prompt)!r}: its metadata {what}")
+
+    include, exclude = meta.get("include"), meta.get("exclude", [])
+    if not isinstance(include, list) or not include:
+        fail("has no 'include' list of {'class', 'count'} objects")
+    if not isinstance(exclude, list):
+        fail("'exclude' is not a list")
+    for i, r in enumerate(include + exclude):
+        if not isinstance(r, dict) or r.get("class") not in classes:
+            got = r.get("class") if isinstance(r, dict) else r
+            fail(f"names class {got!r}, not one of the detector's {len(classes)} classes")
+        if not isinstance(r.get("count"), int) or r["count"] < 1:
+            fail(f"gives {r['class']!r} the count {r.get('count')!r} (a positive integer is needed)")
+        if r.get("color") is not None and r["color"] not in colours:
+            fail(f"colours {r['class']!r} {r['color']!r}, not one of {', '.join(colours)}")
+        position = r.get("position")
+        if position is not None and not (
+            i < len(include)
+            and isinstance(position, (list, tuple))
+            and len(position) == 2
+            and position[0] in POSITIONS
+            and isinstance(position[1], int)
+            and 0 <= position[1] < i
+        ):
+            fail(f"places {r['class']!r} at {position!r}; a position is [relation, earlier include's index]")
+    return Task.from_metadata({**meta, "prompt": prompt})
+
+
+def prompt_task(prompt: str, classes=COCO_CLASSES, colours=GENEVAL_COLOURS) -> Task:
+    """A prompt's task: from the metadata it carries when that has an ``include`` list
+    (:class:`~rewards.prompts.AnnotatedPrompt`, a line of a GenEval metadata file), else
+    from its caption (:func:`parse_caption`)."""
+    meta = getattr(prompt, "metadata", None) or {}
+    if "include" in meta:
+        return task_from_metadata(meta, str(prompt), classes, colours)
+    return parse_caption(prompt, classes, colours)
+
+
+def check_captions(
+    prompts, classes=COCO_CLASSES, colours=GENEVAL_COLOURS, who: str = "geneval reward"
+) -> None:
+    """One :class:`CaptionError` naming every prompt that has no task (see :func:`prompt_task`)."""
+    bad = []
+    for prompt in prompts:
+        try:
+            prompt_task(prompt, classes, colours)
+        except CaptionError as err:  # a metadata error says what is wrong; a caption is shown
+            bad.append(
+                str(err) if "include" in (getattr(prompt, "metadata", None) or {}) else repr(str(prompt))
+            )
+    if bad:
+        shown = "; ".join(bad[:3]) + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise CaptionError(
+            f"{who}: {len(bad)} prompt(s) have no GenEval task: {shown}. {CAPTION_HELP}, or give each "
+            "line GenEval's metadata (a .jsonl line with 'tag', 'include' and optionally 'exclude', "
+            "as GenEval's and flow_grpo's metadata files have)"
+        )

@@ -59,6 +59,16 @@ def quoted_text(prompt: str) -> str | None:
     return parts[1] if len(parts) >= 3 and parts[1].strip() else None
 
 
+def check_quoted(prompts: list[str]) -> None:
+    """One :class:`OCRPromptError` naming every prompt that quotes no text to render."""
+    bad = [p for p in prompts if quoted_text(p) is None]
+    if bad:
+        raise OCRPromptError(
+            f"ocr reward: {len(bad)} prompt(s) quote no text to render: {some_of(bad)}. Put the text "
+            f'the image must show between double quotes, e.g. a sign that says "OPEN".'
+        )
+
+
 def normalise(text: str) -> str:
     """flow_grpo's comparison form: spaces removed, lower case."""
     return text.replace(" ", "").lower()
@@ -164,13 +174,12 @@ class OCRReward(ClipReward):
         return [] if self.model is None else [self.model]
 
     def check_prompts(self, prompts: list[str]) -> None:
-        bad = [p for p in prompts if quoted_text(p) is None]
-        if bad:
-            shown = some_of(bad)
-            raise OCRPromptError(
-                f"ocr reward: {len(bad)} prompt(s) quote no text to render: {shown}. Put the text "
-                f'the image must show between double quotes, e.g. a sign that says "OPEN".'
-            )
+        check_quoted(prompts)
+
+    @classmethod
+    def prompt_checker(cls, **_):
+        """The prompt check without a model loaded (``--dry-run``, ``--preflight``)."""
+        return check_quoted
 
     def read(self, pixels: torch.Tensor) -> list[str | None]:
         """Each (3, H, W) image's recognised text (None where the engine failed on it)."""

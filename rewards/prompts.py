@@ -1,4 +1,5 @@
-"""Editing prompts: an instruction that comes with the image it edits.
+"""Prompts that carry more than their text: an editing instruction with the image it
+edits, and a prompt with the metadata of its line.
 
 An :class:`EditPrompt` *is* its instruction (a ``str``), so everything that handles
 prompts (sample plans, prompt caches, logs, rewards that only read text) keeps working,
@@ -50,6 +51,30 @@ class EditPrompt(str):
 
     def __repr__(self) -> str:
         return f"EditPrompt({str(self)!r}, image={self.image!r})"
+
+
+class AnnotatedPrompt(str):
+    """A prompt (the string value) and the fields of the prompt-file line it came from
+    (``metadata``: GenEval's ``tag`` / ``include`` / ``exclude``, a CSV row's columns).
+    Like :class:`EditPrompt` it is its text everywhere a string is expected, and it equals
+    and hashes as that text: metadata never changes what a model is conditioned on. The
+    rewards that read metadata (``geneval``, ``reward_server``) score from it, as flow_grpo's
+    reward server scores from its jsonl lines, instead of re-parsing the caption."""
+
+    metadata: dict
+
+    def __new__(cls, text: str, metadata: dict):
+        obj = super().__new__(cls, text)
+        obj.metadata = dict(metadata)
+        return obj
+
+    def __reduce__(self):  # gather_object / pickling keeps the metadata
+        return (AnnotatedPrompt, (str(self), self.metadata))
+
+
+def prompt_metadata(prompt: str) -> dict:
+    """The metadata a prompt carries (empty for a plain string)."""
+    return getattr(prompt, "metadata", None) or {}
 
 
 def has_image(prompt: str) -> bool:

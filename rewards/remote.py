@@ -43,7 +43,7 @@ import uuid
 import torch
 
 from rewards.images import to_tensor_batch
-from rewards.prompts import EditPrompt
+from rewards.prompts import AnnotatedPrompt, EditPrompt
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}
 
@@ -62,8 +62,23 @@ def encode_request(images, prompts: list[str], wire_dtype: str = "float32") -> b
         batch = (batch.clamp(0, 1) * 255).round().to(torch.uint8)
     else:
         batch = batch.to(WIRE_DTYPES[wire_dtype])
-    wire_prompts = [[str(p), getattr(p, "image", None)] for p in prompts]
+    wire_prompts = [wire_prompt(p) for p in prompts]
     return save({"images": batch.contiguous()}, metadata={"prompts": json.dumps(wire_prompts)})
+
+
+def wire_prompt(prompt: str) -> list:
+    """[text, image path or None], and the line's metadata third where the prompt carries it
+    (GenEval's include / exclude travel to a served ``geneval``)."""
+    meta = getattr(prompt, "metadata", None)
+    return [str(prompt), getattr(prompt, "image", None), *([meta] if meta else [])]
+
+
+def prompt_from_wire(entry: list) -> str:
+    """The prompt :func:`wire_prompt` sent: a string, an EditPrompt or an AnnotatedPrompt."""
+    text, image, *meta = entry
+    if image:
+        return EditPrompt(text, image)
+    return AnnotatedPrompt(text, meta[0]) if meta else text
 
 
 def decode_request(body: bytes) -> tuple[torch.Tensor, list[str]]:
@@ -74,7 +89,7 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str]]:
     images = tensors["images"]
     images = images.float() / 255 if images.dtype == torch.uint8 else images.float()
     metadata = _metadata(body)
-    prompts = [EditPrompt(text, image) if image else text for text, image in json.loads(metadata["prompts"])]
+    prompts = [prompt_from_wire(entry) for entry in json.loads(metadata["prompts"])]
     return images, prompts
 
 
@@ -146,7 +161,7 @@ class RemoteReward:
         return served[self.url]
 
     def check_prompts(self, prompts: list[str]) -> None:
-        wire = [[str(p), getattr(p, "image", None)] for p in prompts]
+        wire = [wire_prompt(p) for p in prompts]
         url, raw = self._exchange("/check", json.dumps(wire).encode(), "application/json")
         answer = self._json(raw, ("ok",), url)
         if not answer["ok"]:

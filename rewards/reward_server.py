@@ -24,9 +24,10 @@ and None load. GenEval's and DeQA's answers are exactly that; a
 response carrying anything else is one error naming the server.
 
 Registered as ``reward_server``: ``{name: reward_server, args: {url: http://HOST:18085,
-app: geneval}}``. GenEval metadata comes from the prompt itself, parsed as the ``geneval``
-reward parses it (:func:`rewards.geneval_rules.parse_caption`), so flow_grpo's and
-GenEval's metadata files give the same dicts their lines hold.
+app: geneval}}``. GenEval metadata is the prompt file's line where it has one (flow_grpo
+sends its jsonl lines), else the prompt's caption parsed as the ``geneval`` reward parses
+it (:func:`rewards.geneval_rules.parse_caption`, which gives GenEval's captions the dicts
+their metadata lines hold).
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ def task_metadata(task: rules.Task) -> dict:
     return meta
 
 
+def request_metadata(prompt: str) -> dict:
+    """What the server is sent for one prompt: its metadata line as the prompt file gave it
+    (flow_grpo sends its jsonl lines), or the line its caption parses to."""
+    meta = getattr(prompt, "metadata", None) or {}
+    if "include" in meta:
+        rules.task_from_metadata(meta, str(prompt))  # checked: the server would fail mid-run
+        return dict(meta)
+    return task_metadata(rules.parse_caption(str(prompt)))
+
+
 class RewardServerReward:
     """Scores through a running ``yifan123/reward-server`` app (``app``: geneval or deqa).
 
@@ -145,8 +156,14 @@ class RewardServerReward:
 
     def check_prompts(self, prompts) -> None:
         if self.app == "geneval":
-            for prompt in prompts:
-                rules.parse_caption(str(prompt))
+            rules.check_captions(prompts, who="reward_server (geneval)")
+
+    @classmethod
+    def prompt_checker(cls, app: str = "geneval", **_):
+        """The prompt check without a server (``--dry-run``, ``--preflight``)."""
+        if app == "geneval":
+            return lambda prompts: rules.check_captions(prompts, who="reward_server (geneval)")
+        return None
 
     def __call__(self, images, prompts=None, metadata=None) -> dict[str, torch.Tensor]:
         batch = to_tensor_batch(images)
@@ -163,7 +180,7 @@ class RewardServerReward:
     def _score_batch(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         request = {"images": jpeg_bytes(images)}
         if self.app == "geneval":
-            request["meta_datas"] = [task_metadata(rules.parse_caption(str(p))) for p in prompts]
+            request["meta_datas"] = [request_metadata(p) for p in prompts]
             request["only_strict"] = self.only_strict
         answer = self._post(pickle.dumps(request))
         return self._read(answer, len(images))

@@ -37,8 +37,7 @@ import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from rewards.prompts import EditPrompt
-from rewards.remote import decode_request, encode_scores
+from rewards.remote import decode_request, encode_scores, prompt_from_wire
 from rewards.serve_queue import BatchingScorer, Busy, IdConflict, Stopping, budget_from_header
 
 GRACE_S = 1.0  # a handler waits this long past its client's timeout, then gives up on it
@@ -107,7 +106,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _check(self, body: bytes) -> bytes:
         check = getattr(self.scorer.reward, "check_prompts", None)
-        prompts = [EditPrompt(text, image) if image else text for text, image in json.loads(body)]
+        prompts = [prompt_from_wire(entry) for entry in json.loads(body)]
         try:
             if check is not None:
                 check(prompts)

@@ -183,6 +183,34 @@ def test_dry_run_checks_reward_names_arguments_and_prompt_files_without_loading_
     assert main(base + ["--set", "rewards=[{name: hpsv21, args: {checkpoint: /nowhere/hps.pt}}]"]) == 0
 
 
+@pytest.mark.parametrize("mode", ["--dry-run", "--preflight"])
+def test_dry_run_and_preflight_run_each_rewards_prompt_check_without_its_weights(mode, tmp_path, capsys):
+    """GenEval's captions and OCR's quotes are checked before any reward loads (the GenEval
+    detector and CLIP named here do not exist: a check that loaded them would fail on
+    that instead); a GenEval metadata line is scored from its fields, so its wording passes."""
+    import json
+
+    from diffrl.cli import main
+
+    captions, meta = tmp_path / "captions.txt", tmp_path / "meta.jsonl"
+    captions.write_text("A photo of four knives.\na photo of three dragons\n")
+    line = {"tag": "counting", "include": [{"class": "knife", "count": 4}], "prompt": "four knives, please"}
+    meta.write_text(json.dumps(line) + "\n")
+    geneval = "rewards=[{name: geneval, args: {detector: /nowhere/m2f, clip: /nowhere/clip}}]"
+    base = ["--config", "tiny_flux_flowgrpo", mode, "--set", geneval, "--set", "eval.every=0"]
+    assert main([*base, "--set", f"data.train_prompts={captions}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        len(err.splitlines()) == 1 and "1 prompt(s) have no GenEval task: 'a photo of three dragons'" in err
+    )
+    code = main([*base, "--set", f"data.train_prompts={meta}"])
+    assert "no GenEval task" not in capsys.readouterr().err
+    assert code == (0 if mode == "--dry-run" else 2)  # the preflight still lists the missing weights
+    ocr = ["--set", "rewards=[{name: ocr, args: {pretrained: /nowhere/trocr}}]"]
+    assert main([*base[:3], *ocr, "--set", f"data.train_prompts={captions}", "--set", "eval.every=0"]) == 2
+    assert "quote no text to render" in capsys.readouterr().err
+
+
 # -- real models on real prompts (issue 51, item 2) ------------------------------------------
 def test_a_real_model_on_the_toy_prompts_is_refused_in_one_line():
     sets = ["model.pretrained=black-forest-labs/FLUX.1-dev"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rewards.errors import UserError
-from rewards.prompts import EditPrompt
+from rewards.prompts import AnnotatedPrompt, EditPrompt
 
 # the checkout's root: shipped configs name their prompt files relative to it
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +48,13 @@ class PromptRecord:
 
     @property
     def prompt(self) -> str:
-        """What models and rewards take: the text, or an :class:`EditPrompt` carrying the image."""
-        return self.text if self.image is None else EditPrompt(self.text, self.image)
+        """What models and rewards take: the text, an :class:`EditPrompt` carrying the image,
+        or, where the line has fields besides its text, an :class:`AnnotatedPrompt` carrying
+        them (rewards score GenEval lines from their ``include`` / ``exclude``)."""
+        if self.image is not None:
+            return EditPrompt(self.text, self.image)
+        besides_text = any(k.lower() not in ("prompt", "prompts") for k in self.metadata)
+        return AnnotatedPrompt(self.text, self.metadata) if besides_text else self.text
 
 
 def resolve_prompt_path(path: str | Path) -> Path:

@@ -165,6 +165,12 @@ class ShapeWorldEditVerifier:
             self._sources[path] = _normalised(dets, *image.shape[1:])
         return self._sources[path]
 
+    @classmethod
+    def prompt_checker(cls, **args):
+        """The prompt check for ``--dry-run`` and ``--preflight``: this reward has no weights,
+        so it is built and asked."""
+        return cls(**args).check_prompts
+
     def check_prompts(self, prompts: list[str]) -> None:
         """One :class:`EditGrammarError` naming every prompt that has no image, is outside
         the grammar, or does not fit its source image."""

@@ -333,6 +333,12 @@ class ShapeWorldVerifier:
         self.score, self.fg_threshold, self.min_area = score, fg_threshold, min_area
         self.relation_margin, self.background_penalty = relation_margin, float(background_penalty)
 
+    @classmethod
+    def prompt_checker(cls, **args):
+        """The prompt check for ``--dry-run`` and ``--preflight``: this reward has no weights,
+        so it is built and asked."""
+        return cls(**args).check_prompts
+
     def check_prompts(self, prompts: list[str]) -> None:
         """Raise one :class:`~rewards.shapeworld.grammar.PromptGrammarError` naming every bad prompt."""
         bad = []

@@ -112,6 +112,12 @@ class ShapeWorldVideoVerifier:
         self.score, self.min_present, self.min_shift = score, float(min_present), float(min_shift)
         self.max_jump = float(max_jump)
 
+    @classmethod
+    def prompt_checker(cls, **args):
+        """The prompt check for ``--dry-run`` and ``--preflight``: this reward has no weights,
+        so it is built and asked."""
+        return cls(**args).check_prompts
+
     def check_prompts(self, prompts: list[str]) -> None:
         bad = []
         for p in prompts:

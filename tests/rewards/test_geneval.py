@@ -6,6 +6,8 @@ rule in numpy, the caption templates of its ``create_prompts.py``), hand-made de
 with known verdicts, and drawn ShapeWorld scenes.
 """
 
+import json
+import pickle
 import random
 
 import numpy as np
@@ -17,6 +19,7 @@ from rewards import geneval_rules as rules
 from rewards.geneval import GenEval
 from rewards.geneval_models import box_iou, keep
 from rewards.geneval_rules import Found, Requirement
+from rewards.prompts import AnnotatedPrompt
 from rewards.shapeworld.render import Placed, draw
 
 # ----------------------------------------------------------------------------- position rule
@@ -117,6 +120,37 @@ def test_every_geneval_template_parses_back_to_its_metadata():
 def test_other_prompts_are_not_captions(caption):
     with pytest.raises(rules.CaptionError, match="GenEval captions look like"):
         rules.parse_caption(caption)
+
+
+@pytest.mark.parametrize(
+    "caption, spelled_as_geneval",
+    [
+        ("A photo of four knives.", "a photo of four knifes"),
+        ("a photo of two people", "a photo of two persons"),
+        ("a photo of 3 computer mice", "a photo of three computer mouses"),
+        ("a photo of two couches", "a photo of two couchs"),
+        ("A photo of a red  dog.", "a photo of a red dog"),
+        ("a photo of two skis", "a photo of two skises"),
+    ],
+)
+def test_a_users_spelling_reads_as_genevals(caption, spelled_as_geneval):
+    assert rules.parse_caption(caption).include == rules.parse_caption(spelled_as_geneval).include
+
+
+def test_metadata_is_checked_naming_what_is_wrong():
+    ok = {"tag": "position", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1,
+          "position": ["left of", 0]}]}  # fmt: skip
+    assert rules.task_from_metadata(ok, "x").include[1].position == ("left of", 0)
+    for broken, words in (
+        ({}, "no 'include' list"),
+        ({"include": [{"class": "dragon", "count": 1}]}, "class 'dragon'"),
+        ({"include": [{"class": "dog", "count": 0}]}, "count 0"),
+        ({"include": [{"class": "dog", "count": 1, "color": "teal"}]}, "'teal'"),
+        ({"include": [{"class": "dog", "count": 1, "position": ["left of", 0]}]}, "earlier include's index"),
+        ({"include": [{"class": "dog", "count": 1}], "exclude": {"class": "dog"}}, "'exclude' is not a list"),
+    ):
+        with pytest.raises(rules.CaptionError, match=words):
+            rules.task_from_metadata(broken, "p")
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -273,6 +307,37 @@ def test_each_box_is_coloured_once_for_both_rule_sets():
     )
     assert out["geneval_correct"].item() == 1.0 and out["geneval_strict"].item() == 1.0
     assert len(asked) == 2  # one circle, one square: not once per rule set
+
+
+def test_metadata_lines_are_scored_from_include_and_exclude(tmp_path):
+    """As flow_grpo's reward server scores (it reads ``include`` / ``exclude``, never the
+    caption): a line whose wording GenEval's templates do not cover scores exactly as the
+    template caption of the same metadata, and the exclude clause counts."""
+    from diffrl.data.prompts import load_prompts
+
+    line = {"tag": "counting", "include": [{"class": "circle", "count": 2}],
+            "exclude": [{"class": "circle", "count": 3}], "prompt": "Two round things, please!"}  # fmt: skip
+    path = tmp_path / "meta.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (prompt,) = load_prompts(path)
+    assert prompt == "Two round things, please!" and prompt.metadata == line
+    assert pickle.loads(pickle.dumps(prompt)).metadata == line  # survives gather_object
+    reward = GenEval(detector="shapeworld")
+    reward.check_prompts([prompt])
+    rewards.prompt_checker("geneval", detector="shapeworld")([prompt])  # no weights needed
+    with pytest.raises(rules.CaptionError):
+        reward.check_prompts([str(prompt)])  # the caption alone is no task
+    two = scene(Placed("red", "circle", 5, 5, 12), Placed("blue", "circle", 40, 40, 12))
+    three = scene(*[Placed("red", "circle", x, 5, 12) for x in (2, 24, 46)])
+    for image in (two, three):
+        by_metadata = reward(image, [prompt])
+        by_caption = reward(image, ["a photo of two circles"])
+        assert {k: v.item() for k, v in by_metadata.items()} == {k: v.item() for k, v in by_caption.items()}
+    assert reward(two, [prompt])["geneval_correct"].item() == 1.0
+    assert reward(three, [prompt])["geneval_correct"].item() == 0.0  # exclude: fewer than 3
+    bad = AnnotatedPrompt("p", {"include": [{"class": "dog", "count": 1}]})  # not a ShapeWorld class
+    with pytest.raises(rules.CaptionError, match="class 'dog'"):
+        reward.check_prompts([bad])
 
 
 def test_captions_are_checked_up_front_and_score_zero_inside_a_run():

@@ -14,7 +14,7 @@ import torch
 
 from rewards import build
 from rewards.combine import MultiReward, RewardPromptError
-from rewards.prompts import EditPrompt
+from rewards.prompts import AnnotatedPrompt, EditPrompt
 from rewards.remote import RemoteReward, RemoteRewardError, decode_request, encode_request
 from rewards.serve import serve
 from rewards.shapeworld import grammar
@@ -52,13 +52,15 @@ def test_remote_scores_equal_in_process_scores(shapeworld_server):
     torch.testing.assert_close(small["remote"], local["shapeworld"])
 
 
-def test_the_wire_keeps_edit_prompts_and_their_images(tmp_path):
+def test_the_wire_keeps_edit_prompts_their_images_and_metadata(tmp_path):
     from PIL import Image
 
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
-    prompts = [EditPrompt("make it blue", tmp_path / "a.png"), "a plain prompt"]
-    images, back = decode_request(encode_request(torch.rand(2, 3, 8, 8), prompts))
-    assert back == prompts and isinstance(back[0], EditPrompt) and images.shape == (2, 3, 8, 8)
+    meta = {"tag": "counting", "include": [{"class": "circle", "count": 2}]}
+    prompts = [EditPrompt("make it blue", tmp_path / "a.png"), "a plain prompt", AnnotatedPrompt("two", meta)]
+    images, back = decode_request(encode_request(torch.rand(3, 3, 8, 8), prompts))
+    assert back == prompts and isinstance(back[0], EditPrompt) and images.shape == (3, 3, 8, 8)
+    assert back[2].metadata == meta and not hasattr(back[1], "metadata")  # GenEval lines keep their fields
 
 
 def test_concurrent_requests_are_scored_in_one_batch(shapeworld_server):

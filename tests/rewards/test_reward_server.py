@@ -200,3 +200,26 @@ def test_a_caption_that_is_not_genevals_fails_at_start_up():
     reward = rewards.build("reward_server", url="http://127.0.0.1:9")
     with pytest.raises(rules.CaptionError):
         reward.check_prompts(["a beautiful sunset"])
+
+
+def test_a_metadata_line_travels_as_the_prompt_file_gives_it(server, tmp_path):
+    """flow_grpo sends its jsonl lines; a line's caption need not parse (a user's own
+    wording), and its extra fields go along as they are."""
+    from diffrl.data.prompts import load_prompts
+
+    line = {
+        "tag": "counting",
+        "include": [{"class": "knife", "count": 4}],
+        "exclude": [{"class": "knife", "count": 5}],
+        "prompt": "Four knives on a wooden board.",
+        "source": "mine",
+    }
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "prompt": "Knives, four of them"}) + "\n")
+    prompts = load_prompts(path)
+    reward = rewards.build("reward_server", url=server.url, app="geneval")
+    reward.check_prompts(prompts)
+    rewards.prompt_checker("reward_server", url=server.url)(prompts)  # the same without a server
+    reward(_images(), prompts)
+    (request,) = server.requests
+    assert request["meta_datas"] == [line, {**line, "prompt": "Knives, four of them"}]

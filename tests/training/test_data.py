@@ -61,8 +61,8 @@ def test_shipped_prompt_paths_work_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_prompts("assets/shapeworld/train.txt") == here
     (tmp_path / "assets" / "shapeworld").mkdir(parents=True)
-    (tmp_path / "assets" / "shapeworld" / "train.txt").write_text("my own prompt\n")
-    assert load_prompts("assets/shapeworld/train.txt") == ["my own prompt"]  # the working directory wins
+    (tmp_path / "assets" / "shapeworld" / "train.txt").write_text("two red circles\n")
+    assert load_prompts("assets/shapeworld/train.txt") == ["two red circles"]  # the working directory wins
     assert main(["--config", "toy_flowgrpo", "--dry-run"]) == 0
     assert (PROJECT_ROOT / "configs" / "toy_flowgrpo.yaml").is_file()
 
@@ -155,3 +155,25 @@ def test_unreadable_input_image_is_one_clear_error(tmp_path):
         load_image(tmp_path / "bad.png")
     image = load_image(_edit_file(tmp_path, "").parent / "in" / "a.png", size=(4, 6))
     assert image.shape == (3, 4, 6) and torch.allclose(image[0], torch.ones(4, 6))
+
+
+def test_a_prompt_lines_metadata_reaches_the_reward_in_a_run(tmp_path, monkeypatch):
+    """GenEval lines are scored from their include / exclude (issue 60, item 3): the fields
+    travel from the prompt file through the sample plan and rollout to the reward."""
+    import json
+
+    import rewards.geneval
+    from diffrl.cli import main
+
+    line = {"tag": "counting", "include": [{"class": "circle", "count": 2}], "prompt": "Two round things!"}
+    (tmp_path / "m.jsonl").write_text(json.dumps(line) + "\n")
+    seen, score = [], rewards.geneval.GenEval._score
+    monkeypatch.setattr(
+        rewards.geneval.GenEval,
+        "_score",
+        lambda self, px, prompts: seen.extend(prompts) or score(self, px, prompts),
+    )
+    args = ["--config", "tiny_toy_flowgrpo", "--set", f"data.train_prompts={tmp_path / 'm.jsonl'}"]
+    args += ["--set", "eval.every=0", "--set", "rewards=[{name: geneval, args: {detector: shapeworld}}]"]
+    assert main([*args, "--set", f"output_dir={tmp_path / 'run'}", "--set", "train.max_steps=1"]) == 0
+    assert seen and all(p.metadata == line for p in seen)
