@@ -80,6 +80,12 @@ class GenEval(ClipReward):
         mask_crops: CLIP sees a detection's mask composited onto GenEval's #999 grey, as in
             GenEval; only segmenting detectors give masks (the ShapeWorld twin, not OWLv2,
             whose box crops keep their background). False classifies raw box crops.
+        detector_channels: what the detector is fed: ``rgb`` (GenEval's benchmark: mmcv
+            reads the image file as BGR and mmdet's ``Normalize(to_rgb=True)`` turns it
+            back) or ``bgr`` (flow_grpo's reward server: ``inference_detector`` gets PIL's
+            RGB arrays, which mmdet takes for BGR and flips, so the detector sees red and
+            blue swapped; reward-server@92ac29fb ``gen_eval.py: evaluate_image``). Colours
+            are named by CLIP on the RGB image either way, as there.
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
     """
 
@@ -101,6 +107,7 @@ class GenEval(ClipReward):
         max_overlap: float | None = None,
         position_threshold: float = 0.1,
         mask_crops: bool = True,
+        detector_channels: str = "rgb",
         device=None,
         dtype="float32",
         batch_size: int = 8,
@@ -113,6 +120,14 @@ class GenEval(ClipReward):
         given = (threshold, counting_threshold)
         if int(max_objects) < 1 or any(t is not None and not 0 <= float(t) < 1 for t in given):
             raise ValueError("geneval: thresholds must be in [0, 1) and max_objects >= 1")
+        if detector_channels not in ("rgb", "bgr"):
+            raise ValueError(f"geneval: detector_channels must be rgb or bgr, got {detector_channels!r}")
+        if detector_channels == "bgr" and detector == "shapeworld":
+            raise ValueError(
+                "geneval: detector_channels bgr swaps the detector's input, and the ShapeWorld twin's "
+                "detector names colours itself; use rgb with detector: shapeworld"
+            )
+        self.swap_channels = detector_channels == "bgr"
         self.score, self.flow_rules, self.max_objects = score, PARTIAL[partial], int(max_objects)
         self.holds = rules.box_relation(float(position_threshold))
         if detector == "shapeworld":
@@ -198,8 +213,9 @@ class GenEval(ClipReward):
                     i
                 )
         candidates: list[dict | None] = [None] * len(tasks)
+        seen = pixels.flip(1) if self.swap_channels else pixels  # (B, 3, H, W): RGB -> BGR
         for classes, rows in by_classes.items():
-            for i, found in zip(rows, self.detector(pixels[rows], list(classes))):
+            for i, found in zip(rows, self.detector(seen[rows], list(classes))):
                 candidates[i] = found
         return candidates
 

@@ -30,6 +30,7 @@ here an unparseable or out-of-range answer is a :class:`VLMAnswerError` that quo
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -64,7 +65,16 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def check_template(template: str | None, mode: str) -> str:
+def check_template(template: str | None, mode: str, source: str | None = None) -> str:
+    """The question: the mode's default, a preset read from the reference code
+    (:mod:`rewards.vlm_templates`: ``unifiedreward``, from ``source`` or the pinned file),
+    or the config's own text."""
+    from rewards.vlm_templates import PRESETS, preset_template
+
+    if source is not None and template not in PRESETS:
+        raise ValueError(f"vlm_judge: template_source is read for a preset template ({', '.join(PRESETS)})")
+    if template in PRESETS:
+        return preset_template(template, source)
     template = DEFAULT_TEMPLATES[mode] if template is None else str(template)
     if "{prompt}" not in template:
         raise ValueError(
@@ -139,10 +149,15 @@ class AnswerFormat:
     low: float
     high: float
     pattern: re.Pattern | None = None
+    unparsed_zero: bool = False  # a text answer without a score reads 0 (the references' way)
 
     @classmethod
-    def from_args(cls, mode, yes, no, low, high, pattern) -> AnswerFormat:
+    def from_args(cls, mode, yes, no, low, high, pattern, unparsed: str = "error") -> AnswerFormat:
         mode = check_mode(mode)
+        if unparsed not in ("error", "zero"):
+            raise ValueError(f"vlm_judge: unparsed must be error or zero, got {unparsed!r}")
+        if unparsed == "zero" and mode != "text":
+            raise ValueError("vlm_judge: unparsed applies to mode 'text' (written answers)")
         if pattern is not None and mode != "text":
             raise ValueError(f"vlm_judge: pattern is read in mode 'text' only; mode is {mode!r}")
         if mode == "yes_no":
@@ -155,7 +170,7 @@ class AnswerFormat:
             return cls(mode, tuple(str(d) for d in digits), 0, float(digits[0]), float(digits[-1]))
         if not float(low) < float(high):
             raise ValueError(f"vlm_judge: mode 'text' needs low < high, got {low}..{high}")
-        return cls(mode, (), 0, float(low), float(high), compile_pattern(pattern))
+        return cls(mode, (), 0, float(low), float(high), compile_pattern(pattern), unparsed == "zero")
 
     def normalise(self, raw: torch.Tensor) -> torch.Tensor:
         return (raw - self.low) / (self.high - self.low)
@@ -174,8 +189,10 @@ class AnswerFormat:
 
     def read_texts(self, texts: list[str], truncated: list[bool] | None = None) -> dict[str, torch.Tensor]:
         raw = [self.parse(t, bool(truncated and truncated[i]), i) for i, t in enumerate(texts)]
-        raw = torch.tensor(raw, dtype=torch.float32)
-        return {"vlm_judge": self.normalise(raw), "vlm_judge_raw": raw}
+        unparsed = torch.tensor([math.isnan(r) for r in raw], dtype=torch.float32)
+        raw = torch.tensor(raw, dtype=torch.float32).nan_to_num(0.0)  # only unparsed_zero gives NaN
+        out = {"vlm_judge": self.normalise(raw), "vlm_judge_raw": raw}
+        return {**out, "vlm_judge_unparsed": unparsed} if self.unparsed_zero else out
 
     def parse(self, text: str, truncated: bool = False, index: int = 0) -> float:
         """The score the answer states (mean over axes for a two-group pattern)."""
@@ -187,6 +204,8 @@ class AnswerFormat:
             values = list(by_axis.values())
         shown = " ".join(text.split())
         shown = repr(shown if len(shown) <= 240 else shown[:120] + " ... " + shown[-110:])
+        if not values and self.unparsed_zero:
+            return math.nan  # read as 0 and counted, as flow_grpo / DiffusionNFT score it
         if not values:
             why = (
                 "; it was cut at max_tokens, raise max_tokens"

@@ -47,13 +47,17 @@ class TransformersVLMJudge(ClipReward):
         pretrained: hub id or directory of the VLM (``AutoModelForImageTextToText``).
         processor: its processor (with the chat template); None uses ``pretrained``.
         template: the question, with ``{prompt}`` where the image's prompt goes; None
-            asks the mode's default question.
+            asks the mode's default question; ``unifiedreward`` asks DiffusionNFT's
+            UnifiedReward question, read from ``template_source`` (default: the pinned
+            reference file, :mod:`rewards.vlm_templates`).
         mode: ``yes_no``, ``score`` or ``text``.
         yes, no: answer strings for ``yes_no``, each one token of the model's tokenizer
             (several strings are summed, e.g. ``yes: [Yes, yes]``).
         low, high: the scale (single digits 0-9 for ``score``).
         pattern: ``text`` mode's regex or preset (``final_score``, ``score_tag``, ``axes``).
         max_tokens: ``text`` mode's answer budget (greedy ``generate``), 512 by default.
+        unparsed: ``text`` mode: ``error`` (an answer without a score stops the run) or
+            ``zero`` (it reads 0 and ``vlm_judge_unparsed`` counts it, the references' way).
         device, dtype, batch_size: where and how to run; ``batch_size`` images per forward.
     """
 
@@ -72,6 +76,8 @@ class TransformersVLMJudge(ClipReward):
         low: int = 1,
         high: int = 5,
         pattern: str | None = None,
+        unparsed: str = "error",
+        template_source: str | None = None,
         max_tokens: int | None = None,
         device=None,
         dtype="float32",
@@ -80,8 +86,8 @@ class TransformersVLMJudge(ClipReward):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        self.format = AnswerFormat.from_args(mode, yes, no, low, high, pattern)
-        self.template, self.mode = check_template(template, mode), mode
+        self.format = AnswerFormat.from_args(mode, yes, no, low, high, pattern, unparsed)
+        self.template, self.mode = check_template(template, mode, template_source), mode
         self.max_tokens = check_max_tokens(max_tokens, mode)
         pretrained = pretrained or self.default_pretrained
         self.model = hf_pretrained(

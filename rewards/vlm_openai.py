@@ -58,7 +58,8 @@ class OpenAIVLMJudge:
     Args:
         base_url: the server's OpenAI API root, e.g. ``http://127.0.0.1:8000/v1``.
         model: the served model's name, as ``GET /v1/models`` lists it.
-        template, mode, yes, no, low, high, pattern: as the transformers backend
+        template, template_source, mode, yes, no, low, high, pattern, unparsed: as the
+            transformers backend
             (:class:`rewards.vlm_judge.TransformersVLMJudge`); ``yes`` / ``no`` are matched
             against the server's token strings exactly.
         max_tokens: 1 for ``yes_no`` / ``score``; ``text``'s answer budget (512 by default).
@@ -84,6 +85,8 @@ class OpenAIVLMJudge:
         low: int = 1,
         high: int = 5,
         pattern: str | None = None,
+        unparsed: str = "error",
+        template_source: str | None = None,
         max_tokens: int | None = None,
         top_logprobs: int = 20,
         max_concurrent: int = 32,
@@ -93,8 +96,8 @@ class OpenAIVLMJudge:
         api_key_env: str | None = None,
         overlap: bool = True,
     ):
-        self.format = AnswerFormat.from_args(mode, yes, no, low, high, pattern)
-        self.template, self.mode = check_template(template, mode), mode
+        self.format = AnswerFormat.from_args(mode, yes, no, low, high, pattern, unparsed)
+        self.template, self.mode = check_template(template, mode, template_source), mode
         self.max_tokens = check_max_tokens(max_tokens, mode)
         self.base_url, self.model = check_url(base_url), check_model_name(model)
         self.top_logprobs = int(top_logprobs)

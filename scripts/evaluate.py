@@ -19,15 +19,20 @@ The papers' protocols (diffrl.evaluation.protocols; their prompt sets fetched fi
     python scripts/evaluate.py --protocol geneval --config sd35_flowgrpo --lora jieliu/SD3.5M-FlowGRPO-GenEval
     python scripts/evaluate.py --protocol ocr --config sd35_flowgrpo --checkpoint RUN/checkpoints/step-500 \\
         --reward-arg ocr.engine=paddleocr
-    python scripts/evaluate.py --protocol drawbench --config flux_flowgrpo \\
+    python scripts/evaluate.py --protocol drawbench --config sd35_diffusionnft \\
         --reward-arg hpsv21.checkpoint=/w/HPS_v2.1_compressed.pt \\
-        --reward-arg imagereward.checkpoint=/w/ImageReward.pt
+        --reward-arg imagereward.checkpoint=/w/ImageReward.pt \\
+        --reward-arg unifiedreward.base_url=http://127.0.0.1:17140/v1
     accelerate launch --num_processes 8 scripts/evaluate.py --protocol hpdv2 --config flux_flowgrpo ...
 
-Protocols: geneval (553 prompts x 4 images, GenEval's summary), ocr (flow_grpo's OCR test
-accuracy), drawbench and hpdv2 (HPSv2.1, PickScore, ImageReward, CLIPScore, aesthetic
-means with standard errors, per category or style), shapeworld. Several processes shard
-the prompts and write the table one process writes.
+Protocols: geneval (553 prompts x 4 images, GenEval's summary), geneval_test (flow_grpo's
+2,212-line test split x 1, DiffusionNFT's GenEval column), ocr (flow_grpo's OCR test
+accuracy, PaddleOCR), drawbench (200 prompts x 5) and pickscore (PickScore's 2,048 test
+prompts x 1) in DiffusionNFT's six columns and scales, hpdv2 (HPSv2's benchmark: reward
+means with standard errors, per style), shapeworld. docs/COMPARE.md pairs each paper's
+reported column with its command. Every image is saved under OUT/<protocol>_images in
+GenEval's layout (--no-images skips). Several processes shard the prompts and write the
+table one process writes.
 """
 
 import argparse
@@ -107,6 +112,7 @@ def _protocol_request(args):
         rewards=tuple(args.rewards.split(",")) if args.rewards else (),
         reward_args=tuple(args.reward_args),
         out=args.out,
+        save_images=not args.no_images,
     )
 
 
@@ -120,7 +126,8 @@ def _protocol_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=int, default=0, help="images per prompt (default: the protocol's)")
     p.add_argument("--rewards", help="comma list: a subset of the protocol's rewards")
     p.add_argument("--reward-arg", dest="reward_args", action="append", default=[], metavar="NAME.KEY=VALUE")
-    p.add_argument("--out", default="outputs/eval", help="where the table and the JSON go")
+    p.add_argument("--out", default="outputs/eval", help="where the table, the JSON and the images go")
+    p.add_argument("--no-images", action="store_true", help="do not save the protocol's images")
 
 
 if __name__ == "__main__":

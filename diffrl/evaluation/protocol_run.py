@@ -7,8 +7,10 @@ its optimizer and RNG state are never read) or a LoRA from elsewhere
 (:func:`diffrl.models.lora_files.load_outside_lora`). The prompts are the protocol's set
 unless ``prompts`` names another set or file; ``limit`` takes the first N prompts.
 Rewards are the protocol's; ``rewards`` picks a subset and ``reward_args``
-(``NAME.KEY=VALUE``) gives their weights. Writes ``<out>/<protocol>.md`` (the table) and
-``<out>/<protocol>.json`` (the table, the settings, every image's scores).
+(``NAME.KEY=VALUE``) gives their arguments. Prints the settings before it starts; writes
+``<out>/<protocol>.md`` (the table), ``<out>/<protocol>.json`` (the table, the settings,
+every image's scores) and, unless ``save_images`` is off, every image under
+``<out>/<protocol>_images`` in GenEval's layout (:mod:`diffrl.evaluation.protocol_images`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import yaml
 
 from diffrl.config import ConfigError
 from diffrl.evaluation import protocols as P
+from diffrl.evaluation.protocol_images import ImageWriter
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class ProtocolRun:
     rewards: tuple[str, ...] = ()  # a subset of the protocol's rewards (empty: all)
     reward_args: tuple[str, ...] = ()  # NAME.KEY=VALUE
     out: str = "outputs/eval"
+    save_images: bool = True  # every image under <out>/<protocol>_images
 
     @property
     def images_per_prompt(self) -> int:
@@ -46,9 +50,16 @@ class ProtocolRun:
 
 
 def reward_specs(protocol: P.Protocol, names, args) -> list[dict]:
-    """The protocol's rewards (or ``names``, a subset), with ``NAME.KEY=VALUE`` args."""
+    """The protocol's rewards (or ``names``, a subset of its keys), with ``NAME.KEY=VALUE``
+    args; a key that is not its reward's registry name is the reward's label."""
     chosen = list(names) if names else list(protocol.rewards)
-    specs = {n: {"name": n, "args": dict(protocol.reward_args.get(n, {}))} for n in chosen}
+    unknown = [n for n in chosen if n not in protocol.rewards]
+    if unknown:
+        raise ConfigError(
+            f"--rewards: '{unknown[0]}' is not a reward of protocol {protocol.name}; "
+            f"choose from {', '.join(protocol.rewards)}"
+        )
+    specs = {n: _spec(protocol, n) for n in chosen}
     for item in args:
         target, eq, value = item.partition("=")
         name, dot, key = target.partition(".")
@@ -58,6 +69,11 @@ def reward_specs(protocol: P.Protocol, names, args) -> list[dict]:
             )
         specs[name]["args"][key] = yaml.safe_load(value)
     return list(specs.values())
+
+
+def _spec(protocol: P.Protocol, key: str) -> dict:
+    spec = {"name": protocol.reward_names.get(key, key), "args": dict(protocol.reward_args.get(key, {}))}
+    return {**spec, "label": key} if spec["name"] != key else spec
 
 
 def open_session(request: ProtocolRun):
@@ -113,20 +129,23 @@ def run(request: ProtocolRun) -> dict | None:
     source = request.prompts or protocol.prompts or session.cfg.data.eval_prompts
     items = P.protocol_items(protocol, source)[: request.limit or None]
     session.reward_fn.check_prompts([prompt for prompt, _ in items], source)
-    scored = P.score_protocol(session, protocol, items, request.images_per_prompt)
-    if not session.acc.is_main_process:
-        return None
-    result = {
+    images = Path(request.out) / f"{protocol.name}_images" if request.save_images else None
+    head = {
         "protocol": protocol.name,
         "reference": protocol.reference,
         "prompts": {"source": source, "sha256": _recorded_sha(source), "count": len(items)},
         "images_per_prompt": request.images_per_prompt,
         "checkpoint": request.checkpoint,
         "lora": request.lora,
+        "images": None if images is None else str(images),
         "settings": settings_of(session),
-        **P.summarise(protocol, scored),
-        "samples": scored,
     }
+    session.acc.print(yaml.safe_dump(head, sort_keys=False, width=110).rstrip())  # what is about to run
+    writer = None if images is None else ImageWriter(images)
+    scored = P.score_protocol(session, protocol, items, request.images_per_prompt, writer)
+    if not session.acc.is_main_process:
+        return None
+    result = {**head, **P.summarise(protocol, scored), "samples": scored}
     write(result, Path(request.out), protocol.name)
     return result
 

@@ -88,11 +88,13 @@ def generate_and_score(
     encode_alone: bool = False,
     keep_image: Callable[[int], bool] = lambda position: False,
     thumbnail: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    write_image: Callable[[Sample, torch.Tensor], None] | None = None,
 ) -> list[Scored]:
     """Generate and score ``samples`` (see the module docstring) with ``session``'s adapter
     and ``model`` (default: the session's policy), scored by ``reward_fn`` (default: the
     session's; None-valued scores when the session has none). ``keep_image(position)``
-    keeps a sample's image, ``thumbnail`` maps each image to a kept thumbnail."""
+    keeps a sample's image, ``thumbnail`` maps each image to a kept thumbnail, and
+    ``write_image(sample, image)`` is called by the process that made it (saving it)."""
     s = GenerationSettings.of(settings)
     acc, adapter = session.acc, session.adapter
     model = session.policy.transformer if model is None else model
@@ -113,6 +115,8 @@ def generate_and_score(
         scores = _score(reward_fn, images, [samples[i] for i in chunk])
         for row, i in enumerate(chunk):
             image = images[row]
+            if write_image is not None:
+                write_image(samples[i], image)
             done.append(
                 Scored(
                     samples[i],

@@ -8,6 +8,7 @@ import copy
 import json
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,8 +76,16 @@ def test_reward_args_reach_the_protocol_s_rewards_and_bad_ones_are_one_line():
     ]
     from diffrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="use NAME.KEY=VALUE with NAME one of hpsv21"):
+    with pytest.raises(ConfigError, match="use NAME.KEY=VALUE with NAME one of imagereward, pickscore"):
         reward_specs(P.PROTOCOLS["drawbench"], None, ["hps.checkpoint=x"])
+    with pytest.raises(ConfigError, match="'hps' is not a reward of protocol drawbench"):
+        reward_specs(P.PROTOCOLS["drawbench"], ["hps"], [])
+    # DiffusionNFT's UnifiedReward: the judge backend under its own label, its server given
+    (judge,) = reward_specs(
+        P.PROTOCOLS["drawbench"], ["unifiedreward"], ["unifiedreward.base_url=http://h:1/v1"]
+    )
+    assert judge["name"] == "vlm_judge" and judge["label"] == "unifiedreward"
+    assert judge["args"]["base_url"] == "http://h:1/v1" and judge["args"]["template"] == "unifiedreward"
 
 
 def test_the_geneval_protocol_end_to_end_on_the_toy(tmp_path):
@@ -103,6 +112,13 @@ def test_the_geneval_protocol_end_to_end_on_the_toy(tmp_path):
     assert written["rows"] == result["rows"] and written["settings"]["eval_num_steps"] >= 1
     assert written["prompts"] == {"source": str(prompts), "sha256": None, "count": 4}
     assert "| overall (mean over tasks) |" in (tmp_path / "out" / "geneval.md").read_text()
+    # the images where GenEval's evaluate_images.py reads them: <index>/metadata.jsonl, samples/
+    images = tmp_path / "out" / "geneval_images"
+    assert written["images"] == str(images)
+    for i, line in enumerate(GENEVAL_LINES):
+        assert json.loads((images / f"{i:05d}" / "metadata.jsonl").read_text()) == line
+        pngs = sorted(p.name for p in (images / f"{i:05d}" / "samples").iterdir())
+        assert pngs == ["00000.png", "00001.png"]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +150,11 @@ def clip_dir(tmp_path_factory):
     return root
 
 
-def test_the_drawbench_protocol_gives_means_by_category_with_tiny_reward_twins(tmp_path, clip_dir):
+def test_the_drawbench_protocol_is_diffusionnfts_columns_with_tiny_reward_twins(tmp_path, clip_dir):
+    """200 x 5 in DiffusionNFT's table: each column the mean over prompts of the score at its
+    scale (PickScore / 26, the CLIP cosine), by category too; every image saved."""
+    from PIL import Image
+
     prompts = tmp_path / "drawbench.csv"
     rows = [
         "Prompts,Category",
@@ -158,13 +178,54 @@ def test_the_drawbench_protocol_gives_means_by_category_with_tiny_reward_twins(t
         reward_args=tuple(reward_args),
     )
     result = run(args)
-    rows = {r[0]: r[1:] for r in result["rows"]}
-    for reward in ("pickscore", "clipscore", "aesthetic"):
-        values = [s["scores"][reward] for s in result["samples"]]
-        assert rows[reward][0] == pytest.approx(statistics.mean(values)) and rows[reward][2] == 3
-        colours = [s["scores"][reward] for s in result["samples"] if s["group"] == "Colors"]
-        assert rows[f"{reward} / Colors"][0] == pytest.approx(statistics.mean(colours))
+    samples = result["samples"]
+    assert len(samples) == 15 and result["images_per_prompt"] == 5
+    table = {r[0]: r[1:] for r in result["rows"]}
+    for label, key, scale in (("PickScore / 26", "pickscore", 1 / 26), ("CLIP cosine", "clipscore_cosine", 1),
+                              ("Aesthetic", "aesthetic", 1)):  # fmt: skip
+        per_prompt = [
+            statistics.mean(s["scores"][key] * scale for s in samples if s["index"] == i) for i in range(3)
+        ]
+        mean, se, n = table[label]
+        assert mean == pytest.approx(statistics.mean(per_prompt)) and n == 3
+        assert se == pytest.approx(statistics.stdev(per_prompt) / 3**0.5)
+        colours = [s["scores"][key] * scale for s in samples if s["group"] == "Colors"]
+        assert table[f"{label} / Colors"][0] == pytest.approx(statistics.mean(colours))
+    assert "HPSv2.1" not in table  # a column whose reward was not asked for is left out
     assert [r["name"] for r in result["settings"]["rewards"]] == ["pickscore", "clipscore", "aesthetic"]
+    # the images, in GenEval's layout, are the ones scored: re-scored from the files
+    folder = tmp_path / "out" / "drawbench_images" / "00001"
+    assert json.loads((folder / "metadata.jsonl").read_text()) == {
+        "prompt": "two squares, side by side", "group": "Counting", "Prompts": "two squares, side by side",
+        "Category": "Counting"}  # fmt: skip
+    assert sorted(p.name for p in (folder / "samples").iterdir()) == [f"{k:05d}.png" for k in range(5)]
+    import rewards
+
+    png = torch.tensor(np.asarray(Image.open(folder / "samples" / "00003.png"))).permute(2, 0, 1) / 255
+    again = rewards.build("pickscore", pretrained=clip)(png[None], ["two squares, side by side"])["pickscore"]
+    scored = next(s for s in samples if s["index"] == 1 and s["seed"] == 3)["scores"]["pickscore"]
+    assert again.item() == pytest.approx(scored, abs=0.05)  # through 8-bit PNG
+
+
+def test_geneval_test_is_diffusionnfts_printout():
+    """accuracy: GenEval's verdict averaged over images; each task's over its images; the
+    mean over tasks beside it (not the same number when tasks have unequal counts)."""
+    verdicts = [("counting", 1, 0), ("counting", 0, 1), ("counting", 0, 0), ("colors", 1, 1)]
+    samples = [
+        {
+            "index": i,
+            "group": t,
+            "seed": 0,
+            "scores": {"geneval_correct": float(c), "geneval_strict": float(s)},
+        }
+        for i, (t, c, s) in enumerate(verdicts)
+    ]
+    rows = {r[0]: r[1] for r in P.geneval_image_summary(samples)["rows"]}
+    assert rows["accuracy (mean over images)"] == pytest.approx(2 / 4)
+    assert rows["strict_accuracy (mean over images)"] == pytest.approx(2 / 4)
+    assert rows["counting_accuracy"] == pytest.approx(1 / 3) and rows["colors_accuracy"] == 1.0
+    assert rows["overall (mean over tasks)"] == pytest.approx((1 / 3 + 1) / 2)
+    assert P.PROTOCOLS["geneval_test"].reward_args["geneval"]["detector_channels"] == "bgr"
 
 
 # -- LoRAs from elsewhere ----------------------------------------------------------------------

@@ -263,3 +263,26 @@ def test_missing_weights_name_the_path_or_the_download(tmp_path, checkpoints):
         GenEval(detector=str(checkpoints / "owl"))
     with pytest.raises(rewards.RewardArgsError, match="score must be one of partial, strict, geneval"):
         rewards.build("geneval", detector="shapeworld", score="loose")
+
+
+def test_bgr_feeds_the_detector_red_and_blue_swapped_and_clip_the_image(checkpoints):
+    """flow_grpo's reward server hands RGB arrays to mmdet, which reads arrays as BGR
+    (``detector_channels: bgr``); CLIP names colours on the image as it is either way."""
+    kw = dict(detector=str(checkpoints / "owl"), clip=str(checkpoints / "clip"), threshold=0.0)
+    x = torch.rand(2, 3, 40, 40, generator=torch.Generator().manual_seed(4))
+    fed, coloured = {}, {}
+    for channels in ("rgb", "bgr"):
+        reward = GenEval(**kw, counting_threshold=0.0, detector_channels=channels)
+        detect, colours, fed[channels], coloured[channels] = reward.detector, reward.colours, [], []
+        reward.detector = lambda px, classes, d=detect, c=channels: (
+            fed[c].append(px.clone()) or d(px, classes)
+        )
+        reward.colours = lambda im, found, cls, k=colours, c=channels: (
+            coloured[c].append(im) or k(im, found, cls)
+        )
+        reward(x, ["a photo of a red dog"] * 2)
+    torch.testing.assert_close(torch.cat(fed["rgb"]), x)
+    torch.testing.assert_close(torch.cat(fed["bgr"]), x[:, [2, 1, 0]])
+    assert len(coloured["bgr"]) == 2 and all(torch.equal(im, x[i]) for i, im in enumerate(coloured["bgr"]))
+    with pytest.raises(rewards.RewardArgsError, match="names colours itself"):
+        rewards.build("geneval", detector="shapeworld", detector_channels="bgr")

@@ -96,6 +96,66 @@ def test_an_unparseable_or_cut_answer_is_an_error_quoting_it():
         assert {r["max_tokens"] for r in server.requests} == {8}
 
 
+def test_unparsed_zero_reads_an_answer_without_a_score_as_0_and_counts_it():
+    """flow_grpo's and DiffusionNFT's UnifiedReward client score such an answer 0."""
+    x = images(2)
+    text = lambda m: "Final Score: 4" if m > 0.5 else "I would rather not rate this picture."  # noqa: E731
+    with FakeJudge(text=text) as server:
+        out = judge(server, mode="text", unparsed="zero")(x, PROMPTS[:2])
+    assert out["vlm_judge_raw"].tolist() == [0.0, 4.0] and out["vlm_judge_unparsed"].tolist() == [1.0, 0.0]
+    with pytest.raises(rewards.RewardArgsError, match="applies to mode 'text'"):
+        rewards.build(
+            "vlm_judge", backend="openai", base_url="http://127.0.0.1:9/v1", model="m", unparsed="zero"
+        )
+
+
+REFERENCE_FILE = """
+import asyncio
+
+def unifiedreward_score_sglang(device):
+    async def evaluate_image(prompt, image):
+        question = f"<image>\\nRate it {{1-5}}.\\nCaption: [{prompt}]"
+        return question
+"""
+
+
+def test_the_unifiedreward_question_is_read_from_the_reference_file(tmp_path, monkeypatch):
+    """The preset's question comes from the file's syntax tree (never run), the caption's
+    place becoming {prompt}; a pinned default is checked against its sha256."""
+    import hashlib
+    import http.server
+    import threading
+
+    from rewards import vlm_templates
+
+    path = tmp_path / "rewards.py"
+    path.write_text(REFERENCE_FILE)
+    expected = "<image>\nRate it {1-5}.\nCaption: [{prompt}]"  # the f-string's {{ }} read as braces
+    assert vlm_templates.preset_template("unifiedreward", str(path)) == expected
+    with FakeJudge(text=lambda m: "Final Score: 3") as server:
+        judge(server, mode="text", template="unifiedreward", template_source=str(path))(images(1), ["a cat"])
+    (request,) = server.requests
+    assert request["messages"][0]["content"][1]["text"] == expected.replace("{prompt}", "a cat")
+    # the pinned default: fetched once from a URL, refused when its sha256 differs
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/rewards.py"
+    try:
+        pinned = (url, hashlib.sha256(path.read_bytes()).hexdigest(), "evaluate_image", "question")
+        monkeypatch.setitem(vlm_templates.PRESETS, "unifiedreward", pinned)
+        assert vlm_templates.preset_template("unifiedreward") == expected
+        monkeypatch.setitem(vlm_templates.PRESETS, "unifiedreward", (url + "?x", "0" * 64, *pinned[2:]))
+        with pytest.raises(vlm_templates.TemplateSourceError, match="not the pinned file"):
+            vlm_templates.preset_template("unifiedreward")
+    finally:
+        httpd.shutdown()
+    (tmp_path / "other.py").write_text("def evaluate_image(prompt):\n    question = 'plain'\n")
+    with pytest.raises(vlm_templates.TemplateSourceError, match="no f-string 'question'"):
+        vlm_templates.preset_template("unifiedreward", str(tmp_path / "other.py"))
+
+
 def test_answers_missing_from_the_top_k():
     """None listed: an error naming what was listed. One listed: the other counts 0."""
     x = images(2)
