@@ -50,6 +50,22 @@ def lora_init() -> str:
     return LORA_INIT
 
 
+def reward_arg(spec, key: str):
+    """A reward entry's argument ``key``: as the config gives it, else the reward's default
+    (its ``default_<key>`` attribute, else its signature's default)."""
+    import inspect
+
+    import rewards
+
+    if key in spec.args:
+        return spec.args[key]
+    factory = rewards.REWARDS.get(spec.name)
+    if getattr(factory, f"default_{key}", None) is not None:
+        return getattr(factory, f"default_{key}")
+    param = inspect.signature(factory).parameters.get(key)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
 _NAMES = {
     "len": len,
     "int": int,
@@ -61,6 +77,7 @@ _NAMES = {
     "max": max,
     "lora_targets": lora_targets,
     "lora_init": lora_init,
+    "reward_arg": reward_arg,
     "str": str,
     "abs": abs,
 }

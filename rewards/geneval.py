@@ -1,10 +1,11 @@
 """GenEval reward (Ghosh et al. 2023, "GenEval: An Object-Focused Framework for Evaluating
 Text-to-Image Alignment", arXiv:2310.11513): GenEval's rules (:mod:`rewards.geneval_rules`)
 over a transformers detector and CLIP colour classifier (:mod:`rewards.geneval_models`).
-The detector is GenEval's own, Mask2Former Swin-S on COCO with masks
-(:mod:`rewards.geneval_mask2former`: transformers' converted weights, mmdetection's
-pre- and post-processing), by default; an OWLv2 or OWL-ViT checkpoint (open vocabulary,
-boxes only) may be given instead. To score with GenEval's official mmdetection stack, use
+The detector is GenEval's own by default: mmdetection's Mask2Former Swin-S COCO checkpoint
+(:mod:`rewards.geneval_mmdet` reads its ``.pth`` into transformers' model;
+:mod:`rewards.geneval_mask2former` runs mmdetection's pre- and post-processing around it);
+transformers' hub weights of the same architecture, or an OWLv2 or OWL-ViT checkpoint
+(open vocabulary, boxes only), may be given instead. To score with GenEval's official mmdetection stack, use
 the ``reward_server`` reward against flow_grpo's reward server (:mod:`rewards.reward_server`).
 
 A prompt's task comes from the GenEval metadata its line carries (``tag``, ``include``,
@@ -48,6 +49,7 @@ import torch
 
 from rewards import geneval_rules as rules
 from rewards.clip_common import ClipReward
+from rewards.geneval_mmdet import URL as MMDET_URL
 from rewards.geneval_models import (
     DETECTOR_MAX_OVERLAP,
     ClipColours,
@@ -68,8 +70,9 @@ class GenEval(ClipReward):
     ``metadata["geneval"]``.
 
     Args:
-        detector: hub id or directory of a transformers Mask2Former COCO instance model (the
-            default, GenEval's detector) or zero-shot detector (OWLv2), or ``shapeworld``.
+        detector: mmdetection's Mask2Former ``.pth`` (a URL, by default GenEval's checkpoint,
+            or a file), a hub id or directory of a transformers Mask2Former COCO instance
+            model or zero-shot detector (OWLv2), or ``shapeworld``.
         clip: hub id or directory of the CLIPModel that names colours; with ``shapeworld``
             optional (the palette names them when None).
         score: ``partial``, ``strict`` or ``geneval`` (see the module docstring).
@@ -92,7 +95,7 @@ class GenEval(ClipReward):
     name = "geneval"
     differentiable = False
     reads_metadata = True
-    default_detector = "facebook/mask2former-swin-small-coco-instance"
+    default_detector = MMDET_URL  # GenEval's own weights (rewards.geneval_mmdet)
     default_clip = "openai/clip-vit-large-patch14"
 
     def __init__(

@@ -23,11 +23,12 @@ GenEval's own filter then applies (:func:`rewards.geneval_models.keep` with its 
 0.9 thresholds, 16 objects a class, no suppression), and colours are read on the masked
 crops as GenEval does.
 
-What differs from GenEval's numbers: the weights. transformers' checkpoint is the
-Mask2Former authors' Detectron2 Swin-S COCO instance model converted, GenEval's is
-mmdetection's own training of the same architecture; both are near 46 mask AP on
-COCO in their model zoos, but their detections differ image by image. Check agreement on your own images by
-scoring them here and with ``reward_server`` against the official server (docs/REWARDS.md).
+The weights are GenEval's own by default: mmdetection's checkpoint, its ``.pth`` read into
+the transformers model by a key map (:mod:`rewards.geneval_mmdet`, downloaded once from
+OpenMMLab into torch.hub's cache). ``detector: facebook/mask2former-swin-small-coco-instance``
+loads transformers' hub weights instead: the Mask2Former authors' Detectron2 training of
+the same architecture, near the same COCO mask AP (about 46) but with other detections
+image by image.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ class Mask2FormerDetector:
     """The detector of GenEval (see the module docstring); its classes are GenEval's names
     of COCO's 80, by index (mmdet's order, the order of both checkpoints)."""
 
-    def __init__(self, pretrained: str, device, dtype, max_per_image: int = MAX_PER_IMAGE):
+    def __init__(self, pretrained: str, device, dtype, max_per_image: int = MAX_PER_IMAGE, model=None):
+        """``pretrained``: a hub id or ``save_pretrained`` folder, or (with ``model`` given,
+        e.g. read from mmdetection's checkpoint) only its name for messages."""
         from transformers import Mask2FormerForUniversalSegmentation
 
-        self.model = hf_pretrained(
+        self.model = model or hf_pretrained(
             "geneval",
             Mask2FormerForUniversalSegmentation,
             pretrained,

@@ -108,15 +108,34 @@ def keep(candidates: list[Found], threshold: float, max_objects: int, max_overla
     return kept
 
 
+def is_mmdet_checkpoint(spec: str) -> bool:
+    """An mmdetection ``.pth`` file or its URL (GenEval's own Mask2Former weights), not a
+    transformers model (a hub id or a ``save_pretrained`` folder)."""
+    return str(spec).startswith(("http://", "https://")) or str(spec).endswith(".pth")
+
+
+def mmdet_checkpoint_path(spec: str) -> str:
+    """Where the ``.pth`` is: a local file, or a URL's file downloaded once into torch.hub's cache."""
+    from rewards.clip_common import url_file
+
+    return url_file("geneval", spec) if str(spec).startswith(("http://", "https://")) else spec
+
+
 def build_detector(pretrained: str, device, dtype):
     """The detector a checkpoint is: Mask2Former (GenEval's, closed-vocabulary COCO
-    instance segmentation) or a zero-shot detector (OWLv2, OWL-ViT)."""
+    instance segmentation; mmdetection's ``.pth`` or transformers weights) or a zero-shot
+    detector (OWLv2, OWL-ViT)."""
     from transformers import AutoConfig
 
+    from rewards.geneval_mask2former import Mask2FormerDetector
+
+    if is_mmdet_checkpoint(pretrained):
+        from rewards.geneval_mmdet import load_mmdet_mask2former
+
+        model = load_mmdet_mask2former(mmdet_checkpoint_path(pretrained))
+        return Mask2FormerDetector(pretrained, device, dtype, model=model)
     config = hf_pretrained("geneval", AutoConfig, pretrained, arg="detector")
     if config.model_type == "mask2former":
-        from rewards.geneval_mask2former import Mask2FormerDetector
-
         return Mask2FormerDetector(pretrained, device, dtype)
     return OwlDetector(pretrained, device, dtype)
 

@@ -7,7 +7,7 @@ list (``diffrl-train --preflight``). A need is one of
 * ``{"what", "path"}``: a local file or folder the config names;
 * ``{"what", "url"}``: a server that must answer (a reward server, a VLM endpoint);
 * ``{"what", "path", "download_url"}``: a file the reward downloads from a URL into a
-  cache once (the aesthetic head);
+  cache once (the aesthetic head, GenEval's mmdetection detector);
 * ``{"what", "python", "fix"}``: a Python package (an optional engine).
 
 The defaults are the rewards' own (their ``default_pretrained`` and hub files).
@@ -78,11 +78,7 @@ def _aesthetic(args: dict) -> list[dict]:
     head = str(args.get("head", HEAD_URL))
     needs = _clip_model("aesthetic", args, CLIP_L)
     if head.startswith(("http://", "https://")):
-        from rewards.clip_common import url_file_path
-
-        cached = url_file_path(head)  # where the reward downloads it to, once
-        needs.append({"what": "aesthetic head", "path": cached, "download_url": head,
-                      "fix": f"wget '{head}' -O '{cached}'"})  # fmt: skip
+        needs.append(_download("aesthetic head", head))
     elif head.startswith("hf://"):
         repo, _, filename = head[len("hf://") :].rpartition("/")
         needs.append({"what": "aesthetic head", "repo": repo, "files": [filename]})
@@ -92,11 +88,23 @@ def _aesthetic(args: dict) -> list[dict]:
 
 
 def _geneval(args: dict) -> list[dict]:
-    detector = str(args.get("detector") or "facebook/mask2former-swin-small-coco-instance")
+    from rewards.geneval_mmdet import URL
+
+    detector = str(args.get("detector") or URL)
     if detector == "shapeworld":
         return _clip_model("geneval colours", args, CLIP_L) if args.get("clip") else []
     colours = _clip_model("geneval colours", {"pretrained": args.get("clip")}, CLIP_L)
+    if detector.startswith(("http://", "https://")):
+        return [_download("geneval detector", detector), *colours]
     return [_hub_or_path("geneval detector", detector), *colours]
+
+
+def _download(what: str, url: str) -> dict:
+    """A file the reward downloads from ``url`` into torch.hub's cache once."""
+    from rewards.clip_common import url_file_path
+
+    cached = url_file_path(url)
+    return {"what": what, "path": cached, "download_url": url, "fix": f"wget '{url}' -O '{cached}'"}
 
 
 def _ocr(args: dict) -> list[dict]:

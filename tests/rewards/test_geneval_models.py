@@ -258,7 +258,11 @@ def test_missing_weights_name_the_path_or_the_download(tmp_path, checkpoints):
     with pytest.raises(
         MissingRewardWeightsError, match="hf download facebook/mask2former-swin-small-coco-instance"
     ):
-        GenEval()
+        GenEval(detector="facebook/mask2former-swin-small-coco-instance")  # transformers' weights
+    with pytest.raises(
+        MissingRewardWeightsError, match=r"could not be downloaded.*wget 'http://127\.0\.0\.1:9/"
+    ):
+        GenEval(detector="http://127.0.0.1:9/m2f.pth")  # mmdetection's file from its URL: nothing listens
     with pytest.raises(MissingRewardWeightsError, match="hf download openai/clip-vit-large-patch14"):
         GenEval(detector=str(checkpoints / "owl"))
     with pytest.raises(rewards.RewardArgsError, match="score must be one of partial, strict, geneval"):
