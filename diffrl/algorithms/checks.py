@@ -14,11 +14,6 @@ def check_objective(cfg) -> None:
     objective = get_objective(obj.name)  # a known name: the loader read its args already
     _check_supported(cfg, objective)
     obj.args.check()
-    if getattr(obj.args, "sample_with", "current") == "old" and cfg.solrl.enabled:
-        raise ConfigError(
-            "objective.args.sample_with old needs no solrl (Sol-RL explores with its own copy of "
-            "the trained weights)"
-        )
     if obj.anchor_coef < 0 or not 0 < obj.anchor_fraction <= 1:
         raise ConfigError("objective.anchor_coef must be >= 0 and objective.anchor_fraction in (0, 1]")
     _check_tree_anchor(cfg, objective)

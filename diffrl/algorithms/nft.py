@@ -73,7 +73,8 @@ class NftArgs(OldPolicyArgs):
     sample_with: Literal["current", "old"] = setting(
         "current",
         "Roll out with the trained weights ('current') or with the old policy's ('old', as the "
-        "reference does; not with Sol-RL, whose exploration copy follows the trained weights).",
+        "reference and Sol-RL's train_sana.py do; with Sol-RL both the exploration copy and the "
+        "regeneration then sample with the old policy).",
     )
 
     def check(self) -> None:

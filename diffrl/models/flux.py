@@ -133,6 +133,18 @@ class FluxAdapter(PackedLatentAdapter):
         return scheduler.sigmas.to(torch.float32).cpu()
 
     # -- model --------------------------------------------------------------------------
+    def _timestep(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the transformer reads as the timestep (it multiplies by 1000 itself):
+        FluxPipeline casts t = 1000 sigma to the latents' dtype and passes t / 1000;
+        DanceGRPO and BranchGRPO pass int(1000 sigma) / 1000 (``model.truncate_timestep``;
+        DanceGRPO fastvideo/train_grpo_flux.py:231-232 and 506-509, BranchGRPO
+        fastvideo/train_branchgrpo_flux.py:428-443 and 1510)."""
+        scale = self.pipe.scheduler.config.num_train_timesteps
+        if self.cfg.truncate_timestep:
+            # float32 product, truncated toward zero, as int(sigma * 1000) on their float32 grid
+            return (sigma.float() * scale).long().float() / scale
+        return (sigma.float() * scale).to(dtype) / scale
+
     def _forward(self, transformer, latents, sigma, emb):
         config = unwrap(transformer).config
         dtype = module_dtype(transformer)
@@ -145,11 +157,9 @@ class FluxAdapter(PackedLatentAdapter):
         if config.guidance_embeds:
             # fp32 like FluxPipeline; the transformer casts and scales it by 1000 itself
             guidance = torch.full((batch,), float(self.cfg.guidance_scale), device=latents.device)
-        # FluxPipeline casts t = 1000 sigma to the latents' dtype, then passes t / 1000
-        scale = self.pipe.scheduler.config.num_train_timesteps
         return transformer(
             hidden_states=latents.to(dtype),
-            timestep=(sigma.float() * scale).to(dtype) / scale,
+            timestep=self._timestep(sigma, dtype),
             guidance=guidance,
             pooled_projections=emb["pooled_prompt_embeds"].to(dtype),
             encoder_hidden_states=prompt_embeds,

@@ -5,9 +5,10 @@ Each row of ``rewards`` (G, N) is one prompt's pool; a rule returns the (G, k) p
 indices to regenerate, ascending within a row, so that the regenerated samples keep
 the pool's order.
 
-* ``best_worst``: the ceil(k/2) highest and floor(k/2) lowest rewards (Sol-RL's top-k
-  plus bottom-k). Ties break by pool index (stable sort), so the choice is
-  deterministic.
+* ``best_worst``: the floor(k/2) highest and ceil(k/2) lowest rewards (Sol-RL's top-k
+  plus bottom-k: ``train_utils.py: select_best_worst`` takes k // 2 best and the rest
+  worst). Ties break by pool index (stable sort), so the choice is deterministic and no
+  candidate is taken twice (the reference's two ``topk`` calls may take a tied one twice).
 * ``max_variance``: the k-subset whose rewards have the largest variance. For any
   k-subset, moving an interior value outwards raises the variance, so the optimum
   takes j values from the top and k - j from the bottom of the sorted row; every j
@@ -41,7 +42,7 @@ def _extremes(order: torch.Tensor, top: int, bottom: int) -> torch.Tensor:
 
 def _best_worst(rewards: torch.Tensor, k: int) -> torch.Tensor:
     order = torch.sort(rewards, dim=1, descending=True, stable=True).indices
-    return _extremes(order, (k + 1) // 2, k // 2)
+    return _extremes(order, k // 2, k - k // 2)
 
 
 def _max_variance(rewards: torch.Tensor, k: int) -> torch.Tensor:

@@ -36,6 +36,11 @@ class ModelConfig:
     width: int = _f(64, "Image width in pixels.")
     num_frames: int = _f(1, "Frames per sample (video families only).")
     guidance_scale: float = _f(1.0, "CFG scale (sd3/sana/wan) or guidance embedding value (flux).")
+    truncate_timestep: bool = _f(
+        False,
+        "flux: give the transformer int(1000 sigma) / 1000 for the timestep, as DanceGRPO's and BranchGRPO's "
+        "scripts do; false: 1000 sigma cast to the weights' dtype, then / 1000, as FluxPipeline does.",
+    )
     guidance_scale_2: float | None = _f(
         None,
         "wan22: CFG scale of the low-noise expert (Wan2.2 A14B: 3.0, and 4.0 on the high-noise "

@@ -136,6 +136,11 @@ class TrainConfig:
     micro_batch_size: int = _f(4, "Samples per training forward, per process.")
     gradient_accumulation: int = _f(1, "Micro-batches per optimizer step.")
     num_inner_epochs: int = _f(1, "Passes over each iteration's samples.")
+    shuffle_samples: bool = _f(
+        True,
+        "Train an iteration's samples in a keyed random order (flow_grpo, DiffusionNFT); false: in "
+        "rollout order (DanceGRPO's train_grpo_flux.py).",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "Autocast precision for forward passes.")
     ema_decay: float = _f(0.0, "EMA decay of trainable weights used for evaluation; 0 disables.")
     ema_update_every: int = _f(

@@ -55,6 +55,7 @@ class PassSettings:
     loss_weighting: str  # tree.loss_weighting: "edge" or "depth"
     timestep_selection: str = "random"  # objective.timestep_selection: "random" or "first"
     edges_per_step: int = 0  # tree.edges_per_step: 0, the leaves decide the optimizer steps
+    shuffle: bool = True  # train.shuffle_samples: false trains samples in rollout order
 
     @classmethod
     def of(cls, cfg) -> PassSettings:
@@ -71,6 +72,7 @@ class PassSettings:
             cfg.tree.loss_weighting,
             o.timestep_selection,
             cfg.tree.edges_per_step,
+            t.shuffle_samples,
         )
 
 
@@ -150,6 +152,14 @@ def _shuffled(n: int, groups: torch.Tensor | None, generator: torch.Generator) -
     ]
 
 
+def _sample_order(n: int, groups, s: PassSettings, step: int, epoch: int) -> list[int]:
+    """The keyed shuffle of an epoch's samples, or with ``train.shuffle_samples`` false the
+    rollout order (DanceGRPO's ``train_grpo_flux.py`` trains each GPU's samples in order)."""
+    if not s.shuffle:
+        return list(range(n))
+    return _shuffled(n, groups, rng.generator(s.seed, "shuffle", step, epoch))
+
+
 def sample_major(
     n: int,
     trainable: list[int],
@@ -167,13 +177,13 @@ def sample_major(
     separately, so anchoring never rescales the policy loss. ``keep`` (per sample) marks
     the samples whose loss counts; the others are forwarded with weight 0. With
     ``groups`` (per sample), whole groups are shuffled instead of samples, so a
-    micro-batch of a multiple of the group size holds whole groups. With ``refill``
+    micro-batch of a multiple of the group size holds whole groups (none: ``_sample_order``). With ``refill``
     (``advantage.drop_zero``) the samples ``keep`` leaves out are not forwarded at all:
     :func:`dropped_layout`."""
     s = PassSettings.of(cfg)
     mb, accum = s.micro_batch_size, s.gradient_accumulation
     first = s.timestep_selection == "first"
-    order = _shuffled(n, groups, rng.generator(s.seed, "shuffle", step, epoch))
+    order = _sample_order(n, groups, s, step, epoch)
     if refill is None:
         batches = [order[i : i + mb] for i in range(0, n, mb)]
         counted = [_counted(keep, idx) for idx in batches]

@@ -73,10 +73,13 @@ class PlainRollouts:
 
 class SolRLRollouts:
     """Sol-RL's pool of ``solrl.pool_size`` candidates per prompt, of which the
-    regenerated ``group_size`` are the iteration's samples."""
+    regenerated ``group_size`` are the iteration's samples. With ``old_weights``
+    (``objective.args.sample_with: old``) both stages sample with the old policy, as Sol-RL's
+    ``train_sana.py`` syncs its exploration and regeneration copies from the decayed old
+    adapter (meefs/Sana@6926be6 ``train_scripts/sol_rl/train_sana.py:739-740, 1142-1143``)."""
 
-    def __init__(self, parts: RolloutParts, stage):
-        self.parts, self.stage = parts, stage
+    def __init__(self, parts: RolloutParts, stage, old_weights=None):
+        self.parts, self.stage, self.old_weights = parts, stage, old_weights
 
     def __call__(self, step: int) -> Rollout:
         p = self.parts
@@ -84,16 +87,21 @@ class SolRLRollouts:
         plan = plan_step(p.prompts, p.seed, step, p.prompts_per_step, size)
         _, local = plan.shard(p.acc.process_index, p.acc.num_processes)
         cond = p.adapter.encode_prompts(local.prompts)
-        out = self.stage.run(
-            p.adapter,
-            p.adapter.transformer,
-            cond,
-            local.prompts,
-            local.keys,
-            step,
-            p.acc.autocast,
-            rollout_model=p.rollout_model,
-        )
+        weights = contextlib.nullcontext()
+        if self.old_weights is not None:
+            weights = self.old_weights()
+            self.stage.mark_stale()  # the old policy moves at every iteration's end, steps or not
+        with weights:  # the exploration copy syncs from, and the regeneration runs, these weights
+            out = self.stage.run(
+                p.adapter,
+                p.adapter.transformer,
+                cond,
+                local.prompts,
+                local.keys,
+                step,
+                p.acc.autocast,
+                rollout_model=p.rollout_model,
+            )
         reshard(p.model)  # FSDP: as after any rollout
         groups = local.group_ids.reshape(-1, size)[:, : p.group_size].flatten()
         nfe = out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]
@@ -103,5 +111,5 @@ class SolRLRollouts:
 def rollout_stage(parts: RolloutParts, precision, strategy, sampler_settings, old_weights=None):
     """Sol-RL's stage where the precision plan built one, else the plain rollouts."""
     if precision.solrl is not None:
-        return SolRLRollouts(parts, precision.solrl)
+        return SolRLRollouts(parts, precision.solrl, old_weights)
     return PlainRollouts(parts, strategy, sampler_settings, precision, old_weights)

@@ -184,6 +184,22 @@ def test_flux_sigmas_match_dynamic_shift_formula(size):
     np.testing.assert_allclose(adapter.sigmas(n).numpy(), ref, atol=1e-6)
 
 
+def test_flux_truncated_timestep_is_dancegrpos_int_of_a_thousand_sigma():
+    """model.truncate_timestep: the transformer reads int(sigma * 1000) / 1000 (DanceGRPO's
+    train_grpo_flux.py: timestep_value = int(sigma * 1000), passed / 1000), the float32 product
+    truncated toward zero; by default (1000 sigma in the weights' dtype) / 1000, as FluxPipeline."""
+    sigmas = torch.tensor([1.0, 0.9997, 0.3, 0.1234567, 0.0009], dtype=torch.float32)
+    dance = make("flux", truncate_timestep=True)._timestep(sigmas, torch.float32)
+    by_hand = torch.tensor([int(float(s) * 1000) / 1000 for s in sigmas * 1])
+    expected = torch.tensor([int(v) for v in (sigmas * 1000).tolist()], dtype=torch.float32) / 1000
+    torch.testing.assert_close(dance, expected, rtol=0, atol=0)
+    assert dance.tolist()[:3] == pytest.approx([1.0, 0.999, 0.3]) and dance[-1] == 0
+    assert (by_hand - dance).abs().max() <= 1e-3  # the same grid whether the product is taken in fp32 or fp64
+    plain = make("flux")._timestep(sigmas, torch.float32)
+    torch.testing.assert_close(plain, sigmas)
+    assert not torch.equal(plain, dance)
+
+
 def test_flux_sigmas_depend_on_resolution():
     assert not torch.allclose(
         make("flux", height=32, width=32).sigmas(6), make("flux", height=64, width=64).sigmas(6)

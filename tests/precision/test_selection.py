@@ -15,8 +15,8 @@ def test_best_worst_takes_top_and_bottom_in_pool_order():
     rewards = torch.tensor([[0.5, 0.9, 0.1, 0.7, 0.3, 0.2], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
     chosen = select_subset(rewards, 4, "best_worst")
     assert chosen.tolist() == [[1, 2, 3, 5], [0, 1, 4, 5]]
-    # odd k: one more from the top
-    assert select_subset(rewards, 3, "best_worst").tolist() == [[1, 2, 3], [0, 4, 5]]
+    # odd k: one more from the bottom, as Sol-RL's select_best_worst (k // 2 best, the rest worst)
+    assert select_subset(rewards, 3, "best_worst").tolist() == [[1, 2, 5], [0, 1, 5]]
 
 
 def test_best_worst_breaks_ties_by_pool_index():
@@ -49,7 +49,11 @@ def test_max_variance_prefers_the_longer_tail():
     # one outlier above, the rest bunched low: the best 3-subset is the outlier + the two lowest
     rewards = torch.tensor([[10.0, 0.0, 0.1, 0.2, 0.3, 0.4]])
     assert select_subset(rewards, 3, "max_variance").tolist() == [[0, 1, 2]]
-    assert select_subset(rewards, 3, "best_worst").tolist() == [[0, 1, 5]]
+    assert select_subset(rewards, 3, "best_worst").tolist() == [[0, 1, 2]]  # here best_worst finds it too
+    # one outlier below: two from the top beat best_worst's one-best-two-worst
+    low = torch.tensor([[0.0, 10.0, 9.9, 9.8, 9.7, 9.6]])
+    assert select_subset(low, 3, "max_variance").tolist() == [[0, 1, 2]]
+    assert select_subset(low, 3, "best_worst").tolist() == [[0, 1, 5]]
 
 
 def test_random_is_keyed_and_distinct():

@@ -1,16 +1,17 @@
 """Step-level parity of the flow_grpo recipes (issue 60, item 2): one whole iteration of
-``sd35_flowgrpo`` on the SD3 tiny twin, held against an oracle of flow_grpo's training
-step written from ``scripts/train_sd3.py`` at ac4c86e, line by line (the line numbers are
-that file's). Same rollout and rewards in; out: the same trained samples, the same loss of
-every forward to 1e-6, the same gradient at every optimizer step and the same EMA
-weights to 1e-5. The oracle shares nothing with diffrl's update but the transformer call
-(``adapter._forward``, the ``transformer(...)`` of the script).
+``sd35_flowgrpo``, ``sd35_flowgrpo_geneval`` and ``sd35_flowgrpo_ocr`` on the SD3 tiny twin,
+held against an oracle of flow_grpo's training step written from ``scripts/train_sd3.py`` at
+ac4c86e, line by line (the line numbers are that file's). Same rollout and rewards in; out:
+the same trained samples, the same loss of every forward to 1e-6, the same gradient at every
+optimizer step and the same EMA weights to 1e-5. The oracle shares nothing with diffrl's
+update but the transformer call (``adapter._forward``, the ``transformer(...)`` of the
+script).
 
 Two draws of the reference are random (``torch.randperm``): which zero-advantage samples
 come back to fill the micro-batches (line 805) and each inner epoch's shuffle (line 824).
-Any draw is the reference's; the oracle takes diffrl's keyed draws and checks that they
-are draws of the reference's kind (how many come back, from where; a permutation of the
-kept samples)."""
+Any draw is the reference's; the oracle takes diffrl's keyed draws and checks that they are
+draws of the reference's kind (how many come back, from where; a permutation of the kept
+samples)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ SETUP = [
 REWARDS = [1.0] * 6 + [0.1, 0.3, 0.5, 0.5, 0.7, 0.9]
 
 
-def _config(tmp_path, *extra):
-    recipe = load_config("sd35_flowgrpo")
-    return load_config(
-        "sd35_flowgrpo", [*tiny_twin_overrides(recipe), f"output_dir={tmp_path}", *SETUP, *extra]
-    )
+FLOW_GRPO_RECIPES = ["sd35_flowgrpo", "sd35_flowgrpo_geneval", "sd35_flowgrpo_ocr"]
+
+
+def _config(tmp_path, *extra, recipe: str = "sd35_flowgrpo"):
+    shipped = load_config(recipe)
+    return load_config(recipe, [*tiny_twin_overrides(shipped), f"output_dir={tmp_path}", *SETUP, *extra])
 
 
 # -- the oracle: flow_grpo's scripts/train_sd3.py --------------------------------------------
@@ -226,8 +228,8 @@ def diffrl_iteration(trainer, r):
     return seen
 
 
-def _compare(tmp_path, *extra):
-    cfg = _config(tmp_path, *extra)
+def _compare(tmp_path, *extra, recipe: str = "sd35_flowgrpo"):
+    cfg = _config(tmp_path, *extra, recipe=recipe)
     trainer, r, oracle_model = _rollout(cfg)
     ours = diffrl_iteration(trainer, r)
     rows = [rows for rows, t in ours["rows"] if t == 0]  # each micro-batch's samples, in order
@@ -245,8 +247,11 @@ def _compare(tmp_path, *extra):
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step")
 
 
-def test_sd35_flowgrpo_trains_what_flow_grpo_trains_step_by_step(tmp_path):
-    trainer, ours, theirs, rows = _compare(tmp_path)
+@pytest.mark.parametrize("recipe", FLOW_GRPO_RECIPES)
+def test_the_flow_grpo_recipes_train_what_flow_grpo_trains_step_by_step(tmp_path, recipe):
+    """Each of the three recipes on its own settings (KL, clip, EMA) with the designed
+    rewards in place of its reward (the tiny twin's stand-in)."""
+    trainer, ours, theirs, rows = _compare(tmp_path, recipe=recipe)
     assert rows == theirs["batches"]  # the same samples, in the same micro-batches
     assert len(rows) == 3 and all(len(b) == 2 for b in rows)  # 4 nonzero + 2 refilled over 3
     torch.testing.assert_close(

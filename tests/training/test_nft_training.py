@@ -77,10 +77,44 @@ def test_nft_sample_with_old_rolls_out_with_the_old_policys_weights(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(live, params))  # the live weights are back
 
 
-def test_nft_sample_with_old_needs_nft_without_solrl():
+def test_nft_sample_with_old_needs_nft():
     from diffrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="unknown key 'objective.args.sample_with'"):
         load_config("tiny_toy_flowgrpo", ["objective.args.sample_with=old"])  # flow_grpo has no such key
-    with pytest.raises(ConfigError, match="objective.args.sample_with old needs no solrl"):
-        load_config("tiny_flux_solrl", ["objective.name=nft", "objective.args.sample_with=old"])
+
+
+def test_solrl_explores_and_regenerates_with_the_old_policy(tmp_path):
+    """Sol-RL's train_sana.py syncs its exploration and regeneration copies from the decayed
+    old adapter: with sample_with old, the copy is synced from the old weights and the
+    regeneration runs with them, then the live weights come back."""
+    cfg = load_config(
+        "tiny_flux_solrl",
+        [f"output_dir={tmp_path}", "train.max_steps=1", "eval.every=0", "checkpoint.every=0",
+         "logging.progress_bar=false", "objective.name=nft", "objective.args.sample_with=old"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    params = list(trainer.policy.trainable_parameters())
+    with torch.no_grad():  # make the old policy differ from the live weights
+        for s in trainer.old_policy.shadow:
+            s.add_(0.5)
+    stage, seen = trainer.rollouts.stage, {}
+    sync, regenerate = stage.copy.sync, stage.regenerate
+
+    def spy_sync(transformer):
+        seen["sync"] = [p.detach().clone() for p in params]
+        return sync(transformer)
+
+    def spy_regenerate(*args, **kwargs):
+        seen["regenerate"] = [p.detach().clone() for p in params]
+        return regenerate(*args, **kwargs)
+
+    stage.copy.sync, stage.regenerate = spy_sync, spy_regenerate
+    live = [p.detach().clone() for p in params]
+    trainer.rollout_and_score(0)
+    for moment in ("sync", "regenerate"):
+        assert all(torch.equal(a, s.to(a.dtype)) for a, s in zip(seen[moment], trainer.old_policy.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(live, params))  # the live weights are back
+    seen.clear()
+    trainer.rollout_and_score(1)  # the old policy moves every iteration: the copy syncs again
+    assert "sync" in seen

@@ -73,6 +73,24 @@ def test_sample_plan_steps_once_per_accumulated_micro_batches():
     assert sorted(r for g in groups for p in g if p.t == 0 for r in p.rows) == list(range(100))
 
 
+def test_samples_train_in_rollout_order_without_the_shuffle():
+    """train.shuffle_samples false (DanceGRPO): optimizer step k trains samples
+    4k..4k+3 in order, each forwarded alone on its own keyed draw of steps at micro-batch 1;
+    the default shuffles."""
+    sets = ["train.micro_batch_size=1", "train.gradient_accumulation=4", "objective.timestep_fraction=0.5"]
+    in_order = sample_major(
+        8, list(range(8)), load_config("toy_flowgrpo", [*sets, "train.shuffle_samples=false"]), 0, 0
+    )
+    assert [list(dict.fromkeys(p.rows[0] for p in g)) for g in in_order] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(len(p.rows) == 1 for g in in_order for p in g)
+    draws = {}
+    for p in (p for g in in_order for p in g):
+        draws.setdefault(p.rows[0], set()).add(p.t)
+    assert all(len(d) == 4 for d in draws.values()) and len({frozenset(d) for d in draws.values()}) > 1
+    shuffled = sample_major(8, list(range(8)), load_config("toy_flowgrpo", sets), 0, 0)
+    assert [p.rows[0] for g in shuffled for p in g][::4] != list(range(8))
+
+
 @pytest.mark.parametrize("weighting", ["edge", "depth"])
 def test_masked_edges_weigh_as_zero_losses(weighting):
     """The objective averages over a pass's kept rows; shares of kept / all edges make
