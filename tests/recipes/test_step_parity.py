@@ -266,6 +266,23 @@ def test_the_flow_grpo_recipes_train_what_flow_grpo_trains_step_by_step(tmp_path
         torch.testing.assert_close(ours_e, theirs_e, rtol=1e-5, atol=1e-7)
 
 
+def test_the_rollout_stores_the_log_probs_flow_grpo_samples_with(tmp_path):
+    """The rollout half of the iteration: every stored old log-prob is what flow_grpo's
+    pipeline_with_logprob computes for that transition with the sampling policy (CFG batch,
+    sde_step_with_logprob), so the update's first ratio is flow_grpo's."""
+    cfg = _config(tmp_path)
+    trainer, r, oracle_model = _rollout(cfg)
+    traj = r.traj
+    with torch.no_grad():
+        for j in range(cfg.sampling.num_steps):
+            x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
+            log_prob, _, _ = _compute_log_prob(
+                trainer.adapter, oracle_model, x, x_next, traj.sigmas, j, r.cond, cfg
+            )
+            torch.testing.assert_close(traj.log_probs[:, j], log_prob, rtol=0, atol=1e-5)
+    assert traj.latents.shape[1] == cfg.sampling.num_steps + 1
+
+
 @pytest.mark.parametrize(
     "broken,what",
     [
