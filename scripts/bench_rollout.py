@@ -299,7 +299,9 @@ def _parser() -> argparse.ArgumentParser:
         default="policy,bf16,fp8:auto,nvfp4:auto",
         help="precision section: policy (LoRA unmerged), bf16 (merged copy) or precision:backend",
     )
-    p.add_argument("--variants", default="eager,compile,cudagraphs", help="optimisations section")
+    p.add_argument(
+        "--variants", default="eager,compile,compile_exact,cudagraphs", help="optimisations section"
+    )
     p.add_argument(
         "--batch",
         type=int,

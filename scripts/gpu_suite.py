@@ -384,7 +384,8 @@ def _train_only(cfg, device, compile: bool, emit) -> None:
     p = cfg.precision
     emit(
         "train_fp8",
-        bench.training_step_precision(adapter, batch, 2, autocast, guidance, p.backend, p.scaling, compile),
+        # eager, as the trainer trains (its compiled blocks are the rollouts')
+        bench.training_step_precision(adapter, batch, 2, autocast, guidance, p.backend, p.scaling, False),
     )
 
 

@@ -263,13 +263,15 @@ def training_step_precision(
 ) -> dict:
     """The training step (:func:`~diffrl.perf.flops.train_step_fn`) in the model's precision
     and through Jet-RL's unified FP8 flow (:mod:`diffrl.precision.fp8_flow`), on the same model,
-    raced side by side: both eager, or both with the blocks compiled in place (one graph
-    per block and phase). First calls, compilation included, are timed outside the race.
+    raced side by side: both eager (the path the trainer takes, and the one the GPU suite
+    races), or both with the blocks compiled in place (one graph per block and phase: what
+    compiling the training blocks would give; the trainer does not). First calls,
+    compilation included, are timed outside the race.
     The transformer stays patched afterwards (outside a phase its layers run as before)."""
     from diffrl.precision.fp8_flow import Fp8Flow, choose_flow_backend
     from diffrl.runtime.regional import RegionalCompile
 
-    backend = choose_flow_backend(backend)
+    backend, _ = choose_flow_backend(backend, scaling)
     flow = Fp8Flow(adapter.transformer, True, True, scaling, backend, adapter.keep_high)
     regional = RegionalCompile(adapter.transformer, log=None) if compile else None
     step = F.train_step_fn(adapter, batch, guidance, autocast)
@@ -301,7 +303,9 @@ def training_step_precision(
 # -- optimisations ------------------------------------------------------------------------
 def rollout_optimisations(adapter, batch: int, repeats: int, variants: list[str]) -> list[dict]:
     """The rollout transformer's forward with and without each optimisation, side by side:
-    ``eager``; ``compile`` (torch.compile, default mode); ``cudagraphs`` (compile with
+    ``eager``; ``compile`` (torch.compile, default mode); ``compile_exact`` (the same with
+    inductor's ``emulate_precision_casts``, what ``perf.exact_replay`` compiles: its cost
+    against ``compile`` is the price of exact replay); ``cudagraphs`` (compile with
     mode reduce-overhead, CUDA only; skipped elsewhere); ``attn:<backend>`` (diffusers attention backend,
     e.g. ``attn:flash`` or ``attn:_native_math``)."""
     fns = {}
@@ -326,6 +330,10 @@ def rollout_optimisations(adapter, batch: int, repeats: int, variants: list[str]
 def _variant_model(transformer, variant: str):
     if variant == "compile":
         return torch.compile(transformer)
+    if variant == "compile_exact":
+        from diffrl.runtime.compile import compile_kwargs
+
+        return torch.compile(transformer, **compile_kwargs(None, exact=True))
     if variant == "cudagraphs":
         return (
             torch.compile(transformer, mode="reduce-overhead") if transformer.device.type == "cuda" else None

@@ -122,7 +122,7 @@ def measure_precision(
             cfg.objective.train_cfg,
             cfg.precision.backend,
             cfg.precision.scaling,
-            compile,
+            False,  # eager, as the trainer trains (its compiled blocks are the rollouts')
         )
         emit("train_fp8", result["train_fp8"])
     return result

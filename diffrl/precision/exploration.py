@@ -4,7 +4,7 @@ after every optimizer step.
 
 * ``nvfp4``: weights and input activations in NVFP4 (W4A4); activation tensor scales are
   taken per sample, so a sample's numerics do not depend on its batch.
-* ``fp8``: weights E4M3 per output row, activations E4M3 per sample.
+* ``fp8``: weights E4M3 per output row, activations E4M3 per token (torchao's ``PerRow``).
 * ``bf16``: the control; merged weights, no quantization.
 
 Quantized layers are the ``nn.Linear`` layers and the 1x1 ``nn.Conv2d`` layers (stride
@@ -30,6 +30,7 @@ convs).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -69,21 +70,39 @@ def is_quantizable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_pointwise_conv(module)
 
 
-def with_lora_deltas(
-    module: nn.Module, dtype: torch.dtype | None = None, detach: bool = False
-) -> torch.Tensor:
-    """A layer's base weight plus every active LoRA delta, added in ``dtype`` (the weight's
-    own when None); ``detach`` drops the graph (a copy's sync), else gradients reach the
-    LoRA factors through it (the FP8 flow's training forward)."""
+def with_lora_deltas(module: nn.Module, detach: bool = False) -> torch.Tensor:
+    """A layer's base weight plus every active LoRA delta, merged in fp32 with autocast off:
+    W + sum_adapters scale * B @ A, each term and the sum in fp32, whatever the weights'
+    dtype and whatever autocast is active around the call. The one merge of both the FP8
+    flow (whose training forward keeps the graph: gradients reach the LoRA factors through
+    it) and Sol-RL's exploration copy (``detach``: a sync). Under bf16 autocast the
+    product B @ A would otherwise be rounded to bf16 before the add, so the quantizer
+    would see another weight than the fp32 master weights hold (issue 61: 3 % of FP8
+    codes differed), and the flow and the copy would merge differently."""
     weight = _base(module).weight
-    weight = weight.detach() if detach else weight
-    weight = weight if dtype is None else weight.to(dtype)
-    if _is_lora_layer(module) and not module.disable_adapters:
+    weight = (weight.detach() if detach else weight).float()
+    if not (_is_lora_layer(module) and not module.disable_adapters):
+        return weight
+    kind = weight.device.type
+    off = contextlib.nullcontext() if kind == "meta" else torch.autocast(kind, enabled=False)
+    with off:
         for name in module.active_adapters:
-            if name in module.lora_A:
-                delta = module.get_delta_weight(name)
-                weight = weight + (delta.detach() if detach else delta).to(weight.dtype)
+            if name not in module.lora_A:
+                continue
+            a, b = module.lora_A[name].weight, module.lora_B[name].weight
+            a, b = (a.detach(), b.detach()) if detach else (a, b)
+            delta = _lora_product(b.float(), a.float(), module.lora_A[name]) * module.scaling[name]
+            weight = weight + delta.reshape(weight.shape)
     return weight
+
+
+def _lora_product(b: torch.Tensor, a: torch.Tensor, a_layer: nn.Module) -> torch.Tensor:
+    """B @ A of one adapter as the base weight's shape would hold it, before the scale:
+    a linear's (out, r) @ (r, in); a 1x1 conv's factors are convs with 1x1 kernels, the
+    product taken over their channels (peft's ``get_delta_weight`` for kernel size 1)."""
+    if a.ndim == 4:
+        return (b.squeeze(3).squeeze(2) @ a.squeeze(3).squeeze(2)).unsqueeze(2).unsqueeze(3)
+    return b @ a
 
 
 def layer_dims(module: nn.Module) -> tuple[int, int]:
@@ -94,8 +113,8 @@ def layer_dims(module: nn.Module) -> tuple[int, int]:
 
 
 def merged_weight(module: nn.Module) -> torch.Tensor:
-    """The effective fp32 weight of a layer: base + every active LoRA delta."""
-    return with_lora_deltas(module, torch.float32, detach=True)
+    """The effective fp32 weight of a layer: base + every active LoRA delta, no graph."""
+    return with_lora_deltas(module, detach=True)
 
 
 def _unwrapped_copy(transformer: nn.Module) -> nn.Module:
@@ -121,16 +140,23 @@ CHUNK_ELEMENTS = 2**24
 
 
 def _activation_quantizer(precision: str, chunk_elements: int = CHUNK_ELEMENTS):
-    """Fake-quantize an activation with one scale per sample (dim 0), a few samples at a
-    time: the scales are per sample, so chunking along dim 0 changes no value."""
+    """Fake-quantize an activation so that a sample's numerics never depend on its batch,
+    a few samples at a time (the scales never cross samples, so chunking along dim 0
+    changes no value):
+
+    * ``fp8``: one E4M3 scale amax / 448 per token (a row over the last dim, the channels),
+      as torchao's copy (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``)
+      scales its activations, so the CPU's and the GPU's copies quantize alike (until
+      issue 61 this took one scale per sample);
+    * ``nvfp4``: blocks of 16 along the last dim, the FP32 tensor scale per sample."""
     if precision == "nvfp4":
 
         def one(x):
             return fake_nvfp4(x, per_sample=True)
     else:
 
-        def one(x):  # one E4M3 scale per sample: flatten each sample into a row
-            return fake_fp8(x.reshape(x.shape[0], -1), per_row=True).reshape(x.shape)
+        def one(x):
+            return fake_fp8(x, per_row=True)
 
     def quantize(x):
         rows = max(1, chunk_elements // max(1, x[:1].numel()))

@@ -148,3 +148,31 @@ def fake_fp8_cast(x: torch.Tensor, rowwise: bool, fmt: str = "e4m3", pow2: bool 
     """FP8 quantize-dequantize as :func:`fp8_codes` casts it, as fp32."""
     codes, scale = fp8_codes(x, rowwise, fmt, pow2)
     return codes.float() / scale
+
+
+# DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3.2), Jet-RL's granularity and
+# torchao's prototype ``blockwise_fp8_training``: activations and gradients scaled per 1x128
+# tile of a row (along the GEMM's reduction dim), weights per 128x128 tile
+FP8_TILE = 128
+
+
+def fp8_tile_codes(x: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 codes, fp32 scale broadcast to ``x``'s shape) of a 2-D ``x`` cast with one
+    scale per ``tile`` (rows, columns): scale = 448 / amax of the tile (amax in fp64,
+    floored at 1e-12, the scale rounded to fp32), x * scale saturated and cast, as
+    torchao's ``torch_blockwise_scale_act_quant_lhs`` (1 x 128) and
+    ``torch_blockwise_scale_weight_quant`` (128 x 128) compute it (torchao 0.18
+    ``prototype/blockwise_fp8_training/kernels.py``; tests compare with both). Edge tiles
+    of a dimension that is not a multiple of the tile take the amax of what they hold
+    (torchao asks for multiples). The value is ``codes.float() / scale``."""
+    dtype, fmax = FP8_DTYPES["e4m3"]
+    x = x.float()
+    (rows, cols), (tr, tc) = x.shape, tile
+    padded = F.pad(x, (0, (-cols) % tc, 0, (-rows) % tr))
+    pr, pc = padded.shape
+    # one row per tile (torchao's layout: tiles of the row-major tensor, then their amax)
+    tiles = padded.reshape(pr // tr, tr, pc // tc, tc).permute(0, 2, 1, 3).reshape(-1, tr * tc)
+    amax = tiles.abs().amax(dim=1).double().clamp(min=FP8_AMAX_EPS)
+    per_tile = (fmax / amax).float().reshape(pr // tr, pc // tc)
+    scale = per_tile.repeat_interleave(tr, dim=0).repeat_interleave(tc, dim=1)[:rows, :cols]
+    return (x * scale).clamp(-fmax, fmax).to(dtype), scale

@@ -25,10 +25,15 @@ from diffrl.precision.exploration import ExplorationCopy, swap_pointwise_convs
 
 def fp8_per_row_config(default: dict) -> dict:
     """modelopt's FP8 recipe with the reference quantizer's granularity: one scale per
-    output row of a weight (axis 0) and one per sample of an activation (axis 0 of its
-    input), where modelopt's default takes one per tensor for both."""
-    per_row = {"num_bits": (4, 3), "axis": 0}
-    extra = [{"quantizer_name": f"*{q}", "cfg": per_row} for q in ("weight_quantizer", "input_quantizer")]
+    output row of a weight (axis 0) and one per token of an activation (its last dim
+    reduced: ``block_sizes {-1: None}``), as torchao's ``PerRow`` copy scales them, where
+    modelopt's default takes one per tensor for both."""
+    weight = {"num_bits": (4, 3), "axis": 0}
+    token = {"num_bits": (4, 3), "block_sizes": {-1: None}}
+    extra = [
+        {"quantizer_name": "*weight_quantizer", "cfg": weight},
+        {"quantizer_name": "*input_quantizer", "cfg": token},
+    ]
     return {**default, "quant_cfg": [*default["quant_cfg"], *extra]}
 
 
@@ -46,7 +51,7 @@ class ModelOptCopy(ExplorationCopy):
     fake-quantizing the weights in every forward (the same numbers, slower).
 
     Without ``forward_loop`` (a callable running calibration batches through the model),
-    input quantizers have no calibrated amax and compute it per call, per sample (FP8)
+    input quantizers have no calibrated amax and compute it per call, per token (FP8)
     or over the whole batch (NVFP4); with it, input amax is static and re-calibrated at
     every sync.
     """

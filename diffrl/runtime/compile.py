@@ -23,9 +23,9 @@ class CompiledOrEager:
     parameters at each call, so optimizer steps and exploration-copy syncs stay visible.
     """
 
-    def __init__(self, module: torch.nn.Module, mode: str | None, log=print):
+    def __init__(self, module: torch.nn.Module, mode: str | None, log=print, exact: bool = False):
         self.module = module
-        self._compiled = torch.compile(module, mode=mode)
+        self._compiled = torch.compile(module, **compile_kwargs(mode, exact))
         self._graphs = mode == "reduce-overhead"
         self._log = log
 
@@ -51,6 +51,26 @@ class CompiledOrEager:
         return getattr(self.module, name)
 
 
+def compile_kwargs(mode: str | None, exact: bool) -> dict:
+    """``torch.compile`` arguments for ``mode`` (None: the default), with inductor's
+    ``emulate_precision_casts`` where ``exact`` asks for it.
+
+    Why: eager PyTorch rounds every operator's output to the tensor's dtype (bf16 under
+    autocast, or bf16 weights); inductor fuses operators and keeps the values between them
+    in fp32, skipping those roundings, so a compiled rollout computes another velocity
+    than the eager training forward that replays it (issue 61: replay gaps 7e-5 to 1e-3 on
+    the FLUX and SD3 twins, whole FP8 steps once the unified flow rounds the difference).
+    With the emulation each fused kernel rounds where eager code would (PyTorch's
+    ``torch/_inductor/config.py``: "emulate the precision casts ... for numerical parity
+    with eager"). ``torch.compile`` takes a mode or options, not both: a mode is spelt as
+    its options (``torch._inductor.list_mode_options``) so the two combine."""
+    if not exact:
+        return {"mode": mode}
+    options = dict(torch._inductor.list_mode_options(mode)) if mode is not None else {}
+    options["emulate_precision_casts"] = True
+    return {"options": options}
+
+
 def _cloned(out):
     from torch.utils._pytree import tree_map
 
@@ -58,7 +78,8 @@ def _cloned(out):
 
 
 def compiled(module: torch.nn.Module, perf, log=print):
-    """``module`` compiled as ``perf`` says, for rollouts: by block
+    """``module`` compiled as ``perf`` says, for rollouts (rounding as eager code does
+    with ``perf.exact_replay``, :func:`compile_kwargs`): by block
     (:class:`diffrl.runtime.regional.RegionalCompile`, in place, gradients-off calls only,
     ``fullgraph``; its first call's time is logged) or whole (:class:`CompiledOrEager`);
     ``module`` itself when ``perf.compile_rollout`` is off."""
@@ -81,7 +102,12 @@ def compiled(module: torch.nn.Module, perf, log=print):
 
         if repeated_block_classes(module):
             return RegionalCompile(
-                module, inference_only=True, log=log, label="perf.compile_rollout", mode=mode, fullgraph=True
+                module,
+                inference_only=True,
+                log=log,
+                label="perf.compile_rollout",
+                fullgraph=True,
+                **compile_kwargs(mode, perf.exact_replay),
             )
         log(f"perf.compile_rollout: {type(module).__name__} has no repeated blocks; compiling it whole")
-    return CompiledOrEager(module, mode, log)
+    return CompiledOrEager(module, mode, log, exact=perf.exact_replay)

@@ -20,17 +20,42 @@ that are its direct children (``transformer_blocks``: a ``ModuleList`` of one cl
 :class:`RegionalCompile` compiles in place (``nn.Module.compile`` semantics: the block's
 ``_compiled_call_impl``), so weight updates and exploration-copy syncs stay visible. With
 ``inference_only`` (the training policy's rollouts) a block runs its compiled code only
-with gradients off and its eager code in the training forward, which then keeps
-gradient checkpointing and every hook exactly as before.
+with gradients off and outside :func:`eager_blocks`, and its eager code in the update's
+forwards, which then keep gradient checkpointing and every hook exactly as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+_EAGER = threading.local()
+
+
+@contextlib.contextmanager
+def eager_blocks():
+    """Every block compiled by :class:`RegionalCompile` runs its eager code inside.
+
+    The update enters it around all its forwards: the policy's (with gradients, eager
+    anyway) and the gradient-free ones beside it (the KL reference, the old policy), so
+    the update compares forwards of one code path. Outside it a no-grad forward would run
+    the compiled blocks and the KL at initialisation would be a compile-vs-eager
+    difference instead of exactly 0 (issue 61)."""
+    before = getattr(_EAGER, "on", False)
+    _EAGER.on = True
+    try:
+        yield
+    finally:
+        _EAGER.on = before
+
+
+def _eager_forced() -> bool:
+    return getattr(_EAGER, "on", False)
 
 
 def repeated_block_classes(model: nn.Module) -> tuple[str, ...]:
@@ -156,7 +181,7 @@ class _BlockCall:
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
-        if owner.failed or (owner.inference_only and torch.is_grad_enabled()):
+        if owner.failed or (owner.inference_only and (torch.is_grad_enabled() or _eager_forced())):
             return self.eager(*args, **kwargs)
         try:
             if self.first_s is not None:

@@ -24,6 +24,13 @@ class PerfConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = _f(
         "default", "torch.compile mode; reduce-overhead adds CUDA graphs (static shapes only, CUDA only)."
     )
+    exact_replay: bool = _f(
+        True,
+        "Compiled rollouts round every intermediate to the autocast / weights' dtype where eager code "
+        "would (inductor's emulate_precision_casts), so the eager training forward replays them: replay "
+        "gap below 1e-6 under bf16 / fp16, 0 for the unified FP8 flow (docs/TRAINING.md, 'On-policy'). "
+        "false: inductor's faster fusion, 1e-5 to 1e-3 off-policy.",
+    )
     attention_backend: str | None = _f(
         None,
         "diffusers attention backend for the run (flash, _flash_3, _native_flash, _native_cudnn, xformers, "
@@ -95,10 +102,12 @@ class PrecisionConfig:
         "reference: pure-PyTorch casts (any device, no speed-up); torchao: its float8 training GEMM (real "
         "FP8 on Ada / Hopper); auto picks torchao where FP8 GEMMs run and it is installed.",
     )
-    scaling: Literal["rowwise", "tensorwise"] = _f(
+    scaling: Literal["rowwise", "tensorwise", "blockwise"] = _f(
         "rowwise",
-        "torchao's recipe: rowwise (a scale per token and per weight row, batch-independent, exact replay) "
-        "or tensorwise (a scale per tensor: faster, but a sample's numerics depend on its batch).",
+        "rowwise: a scale per token and per weight row (torchao's recipe; batch-independent, exact replay); "
+        "tensorwise: a scale per tensor (faster, but a sample's numerics depend on its batch); blockwise: "
+        "DeepSeek-V3 / Jet-RL tiles, 1x128 activations and gradients, 128x128 weights (batch-independent; "
+        "torchao's prototype kernels on Hopper, the reference casts elsewhere).",
     )
     keep_high: list[str] | None = _f(
         None, "Anchored regexes of layers kept in high precision; null uses the family list (as solrl's)."

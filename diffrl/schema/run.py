@@ -157,6 +157,11 @@ class TrainConfig:
         "Times each EMA update is applied (flow_grpo steps its EMA once per micro-batch of samples, so each "
         "update lands once per micro-batch of an optimizer step: 2 in its 32-GPU recipes).",
     )
+    replay_gap_warn: float = _f(
+        1e-6,
+        "Warn when replay/logprob_gap (the training forward against the log-prob stored at sampling) "
+        "passes this; exact runs log at most ~1e-7, off-policy ones 1e-5 and more. 0: never.",
+    )
     max_skipped_iterations: int = _f(
         5,
         "Stop (non-zero exit) after this many iterations in a row that applied no update because of "

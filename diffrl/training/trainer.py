@@ -34,6 +34,7 @@ from diffrl.training.console import closing_lines, eval_line, progress_fields, s
 from diffrl.training.ema import EMA, OldPolicy
 from diffrl.training.metrics import MetricsLogger
 from diffrl.training.plan import derive, format_plan
+from diffrl.training.replay_watch import ReplayGapWatch, replay_notes
 from diffrl.training.rollouts import RolloutParts, rollout_stage
 from diffrl.training.setup import avoid_cudnn_attention, make_accelerator, make_lr_scheduler
 from diffrl.training.stages import Credit, Rollout
@@ -345,6 +346,12 @@ class Trainer:
             save_config(cfg, run_dir / "config.yaml")
         init_trackers(self.acc, cfg)
         self.acc.print(format_plan(self.numbers))
+        notes = replay_notes(cfg)
+        for note in notes:
+            self.acc.print(f"note: {note}")
+        gap_watch = ReplayGapWatch(
+            cfg.train.replay_gap_warn, cfg.objective.clip_range, notes, lambda m: say(self.acc, m)
+        )
         logger = MetricsLogger(self.acc, run_dir, resume_step=self.step)
         history = []
         if cfg.eval.at_start and self.step == 0:
@@ -362,6 +369,7 @@ class Trainer:
             metrics = self.train_step(self.step)
             self.step += 1
             self._watch_updates(metrics, before)
+            gap_watch.check(self.step, metrics)
             last = self.step == cfg.train.max_steps
             evaluated = cfg.eval.every and (self.step % cfg.eval.every == 0 or last)
             if evaluated:

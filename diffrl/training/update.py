@@ -21,6 +21,7 @@ from accelerate.utils import DistributedType
 
 from diffrl.algorithms.anchor import anchor_loss
 from diffrl.algorithms.objective import LossContext, StepBatch
+from diffrl.runtime.regional import eager_blocks
 from diffrl.runtime.sharding import max_over_processes, mean_over_processes, reshard, whole
 from diffrl.sampling import rng
 from diffrl.training.passes import (
@@ -190,9 +191,12 @@ class Updater:
 
         totals: dict[str, list] = defaultdict(list)
         self._steps_at_start = self.counters.optimizer_steps
-        for epoch in range(s.num_inner_epochs):
-            for passes in plan(epoch):
-                self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
+        # every forward of the update on one code path: the compiled rollout blocks are
+        # for the rollouts; the KL reference and the old policy run eagerly too
+        with eager_blocks():
+            for epoch in range(s.num_inner_epochs):
+                for passes in plan(epoch):
+                    self._optimizer_step(ctx, traj, cond, advantages, passes, totals, epoch)
         return _means(totals, self.acc.device)
 
     def _sample_plan(self, traj, keep, step: int, refill=None):

@@ -338,8 +338,9 @@ def test_modelopt_copy_quantizes_our_layers_not_its_name_defaults(precision):
 
 @needs_modelopt
 def test_modelopt_fp8_copy_computes_what_the_reference_copy_computes():
-    """Per-row weight scales and per-sample activation scales, as the reference takes
-    them (modelopt's default recipe takes one per tensor: 3% weight differences)."""
+    """Per-row weight scales and per-token activation scales, as the reference (and
+    torchao's PerRow copy) take them (modelopt's default recipe takes one per tensor: 3%
+    weight differences)."""
     adapter, policy = _policy("flux")
     ours = build_exploration_copy(policy.transformer, "flux", "fp8", backend="modelopt", log=lambda _: None)
     reference = build_exploration_copy(

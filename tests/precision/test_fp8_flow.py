@@ -120,6 +120,24 @@ def test_straight_through_gradients_of_lora():
         torch.testing.assert_close(y, act(x) @ wcast(w).t() + lora.base_layer.bias)
 
 
+def test_lora_is_merged_in_fp32_under_autocast_once_for_the_flow_and_the_copy():
+    """W + s B A from the fp32 master weights, each term in fp32, whatever autocast is on
+    (issue 61: under bf16 autocast B @ A was rounded to bf16 first, and 3 % of the FP8
+    codes differed); the exploration copy's sync merges the same way, bit for bit."""
+    from diffrl.precision.exploration import merged_weight
+
+    lora = _lora_linear().proj
+    a, b = lora.lora_A["default"].weight, lora.lora_B["default"].weight
+    by_hand = lora.base_layer.weight.detach() + lora.scaling["default"] * (b.detach() @ a.detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        merged = effective_weight(lora)
+        assert merged.dtype == torch.float32 and merged.requires_grad
+        assert torch.equal(merged.detach(), by_hand)
+        assert torch.equal(merged_weight(lora), by_hand)
+        rounded = lora.base_layer.weight + lora.get_delta_weight("default").float()  # peft's, in bf16
+    assert not torch.equal(rounded.detach(), by_hand)
+
+
 def test_input_gradient_is_straight_through():
     layer = nn.Linear(32, 8, bias=False)
     flow = Fp8Flow(layer, rollout=True, train=True)

@@ -141,3 +141,19 @@ def test_cuda_graphs_by_block_are_refused():
             torch.nn.Linear(2, 2).to("meta"),
             _perf(compile_rollout="true", compile_mode="reduce-overhead", compile_scope="blocks"),
         )
+
+
+def test_exact_replay_asks_inductor_to_round_as_eager_code_does():
+    """perf.exact_replay: inductor's emulate_precision_casts, a mode spelt as its options
+    (torch.compile takes one or the other), or the mode alone without it."""
+    from diffrl.runtime.compile import compile_kwargs
+
+    assert compile_kwargs(None, exact=False) == {"mode": None}
+    assert compile_kwargs(None, exact=True) == {"options": {"emulate_precision_casts": True}}
+    autotune = compile_kwargs("max-autotune-no-cudagraphs", exact=True)["options"]
+    assert autotune == {
+        **torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
+        "emulate_precision_casts": True,
+    }
+    assert autotune["max_autotune"] is True
+    torch.compile(torch.nn.Linear(2, 2), **compile_kwargs("reduce-overhead", exact=True))  # accepted

@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-from diffrl.runtime.regional import RegionalCompile, repeated_block_classes
+from diffrl.runtime.regional import RegionalCompile, eager_blocks, repeated_block_classes
 
 
 class CountingBackend:
@@ -156,6 +156,21 @@ def test_inference_only_blocks_train_eagerly():
     assert backend.graphs == 0
     assert model.transformer_blocks[0].attn.to_q.weight.grad is not None
     with torch.no_grad():
+        compiled(**inputs)
+    assert backend.graphs >= 2
+
+
+def test_the_update_s_gradient_free_forwards_run_eagerly_too():
+    """Inside eager_blocks (the update: its KL reference, its old policy) a no-gradient
+    call runs the eager blocks, so it is computed as the policy's training forward is."""
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    model, inputs = flux(2), flux_inputs()
+    compiled = RegionalCompile(model, backend=backend, inference_only=True, log=None)
+    with torch.no_grad(), eager_blocks():
+        compiled(**inputs)
+    assert backend.graphs == 0
+    with torch.no_grad():  # the rollouts, outside it
         compiled(**inputs)
     assert backend.graphs >= 2
 
