@@ -23,6 +23,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dry-run", action="store_true", help="print the derived run plan and exit")
     p.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --dry-run (or --tiny-twin): plan for N processes, as `accelerate launch "
+        "--num_processes N` would run it (default: the launcher's WORLD_SIZE, else 1)",
+    )
+    p.add_argument(
         "--preflight",
         action="store_true",
         help="check that every model, reward weight, server and prompt set the run reads is here; "
@@ -62,12 +70,10 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.tiny_twin:
-            import os
-
             from diffrl.twin import tiny_twin_overrides
 
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            cfg = load_config(args.config, tiny_twin_overrides(cfg, world) + list(args.overrides))
+            overrides = tiny_twin_overrides(cfg, _world(args))
+            cfg = load_config(args.config, overrides + list(args.overrides))
         elif args.full_size:
             from diffrl.twin import full_size_overrides
 
@@ -76,9 +82,7 @@ def main(argv=None) -> int:
             return _preflight_only(cfg)
         _check_inputs(cfg)  # before --overwrite may clear a run: a typo must not cost it
         if args.dry_run:
-            import os
-
-            print(format_plan(derive(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
+            print(format_plan(derive(cfg, _world(args))))
             return 0
         _preflight(cfg)  # everything the run reads, before a model is built
         _claim_run_dir(cfg.run_dir, args)
@@ -95,6 +99,20 @@ def main(argv=None) -> int:
         print(_interrupted_message(cfg), file=sys.stderr)
         return 130  # the shell's code for SIGINT
     return 0
+
+
+def _world(args) -> int:
+    """The process count a plan is for: ``--num-processes``, else the launcher's WORLD_SIZE
+    (set by ``accelerate launch`` and torchrun), else 1. A ``--dry-run`` before an
+    8-process launch takes ``--num-processes 8``, so its per-process numbers (optimizer
+    steps, trajectory-buffer memory) are the launch's."""
+    import os
+
+    if args.num_processes is not None:
+        if args.num_processes < 1:
+            raise ConfigError(f"--num-processes must be >= 1 (got {args.num_processes})")
+        return args.num_processes
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _interrupted_message(cfg) -> str:

@@ -30,6 +30,7 @@ from diffrl.schema import (  # noqa: F401 - the schema's names, as callers impor
     ObjectiveConfig,
     RewardSpec,
 )
+from diffrl.schema.fields import check_ranges
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -303,6 +304,8 @@ def _blame_override(message: str, source: str, overrides) -> str:
         key = assignment.split("=", 1)[0].strip()
         if body.startswith((f"{key}:", f"{key}[", f"{key}.")):
             return f"--set {assignment}: {body[len(key) :].lstrip(': ')}"
+        if body.startswith(f"{key} "):  # a sentence about the key ("optim.lr must be > 0"): kept whole
+            return f"--set {assignment}: {body}"
     return message
 
 
@@ -332,23 +335,10 @@ def validate(cfg: Config) -> None:
 
 
 def _check_ranges(cfg: Config) -> None:
-    """Single values out of their range."""
-    t = cfg.train
+    """Single values out of their range: every field's declared ``valid`` range
+    (:func:`~diffrl.schema.fields.check_ranges`), then what one field's range cannot say."""
+    check_ranges(cfg)
     checks = [
-        (cfg.rollout.group_size >= 2, "rollout.group_size must be >= 2 for group-relative advantages"),
-        (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
-        (cfg.rollout.batch_size >= 1, "rollout.batch_size must be >= 1"),
-        (cfg.sampling.num_steps >= 1, "sampling.num_steps must be >= 1"),
-        (0 < cfg.objective.timestep_fraction <= 1, "objective.timestep_fraction must be in (0, 1]"),
-        (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
-        (t.gradient_accumulation >= 1, "train.gradient_accumulation must be >= 1"),
-        (t.max_steps >= 0, "train.max_steps must be >= 0"),
-        (0 <= t.ema_decay < 1, "train.ema_decay must be in [0, 1)"),
-        (
-            t.ema_update_every >= 1 and t.ema_repeats >= 1,
-            "train.ema_update_every and train.ema_repeats must be >= 1",
-        ),
-        (t.collective_timeout_minutes > 0, "train.collective_timeout_minutes must be > 0"),
         (len(cfg.rewards) >= 1, "rewards: at least one reward is required"),
         (
             cfg.model.height % 16 == 0 and cfg.model.width % 16 == 0,

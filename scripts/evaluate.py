@@ -36,7 +36,6 @@ table one process writes.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -76,8 +75,10 @@ def main(argv=None) -> int:
     for key in sorted(metrics):
         print(f"{key:<{width}}{metrics[key]:.4g}")
     if args.json:
+        from diffrl.evaluation import json_out  # NaN scores as null: strict parsers read it
+
         args.json.write_text(
-            json.dumps({"checkpoint": args.checkpoint, "overrides": args.overrides, **metrics}, indent=1)
+            json_out.dumps({"checkpoint": args.checkpoint, "overrides": args.overrides, **metrics}, indent=1)
         )
     return 0
 

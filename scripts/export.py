@@ -32,8 +32,14 @@ def chosen_folder(checkpoint: Path, weights: str) -> Path:
 
 
 def export(checkpoint: Path, out: Path, weights: str = "evaluated", merge: bool = False) -> Path:
-    from diffrl.inference.checkpoints import CheckpointError, checkpoint_problem
+    from diffrl.inference.checkpoints import (
+        CheckpointError,
+        checkpoint_problem,
+        find_checkpoint,
+        open_to_the_umask,
+    )
 
+    checkpoint = find_checkpoint(checkpoint)  # a run directory means its newest complete checkpoint
     problem = checkpoint_problem(checkpoint)
     if problem:
         raise CheckpointError(f"cannot export {checkpoint}: {problem}")
@@ -49,6 +55,7 @@ def export(checkpoint: Path, out: Path, weights: str = "evaluated", merge: bool 
     note = {"checkpoint": str(checkpoint), "step": meta["step"], "weights": weights, "merged": merge}
     note["holds"] = meta.get("weights", {}).get("raw/" if folder != checkpoint else "export", "trained")
     (out / "export.json").write_text(json.dumps(note, indent=1) + "\n")
+    open_to_the_umask(out)  # copy2 keeps safetensors' 0600
     return out
 
 
@@ -68,13 +75,18 @@ def _merge(checkpoint: Path, folder: Path, out: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", type=Path, help="a run's checkpoints/step-N folder")
+    p.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a run's checkpoints/step-N folder, or a run directory (its newest complete checkpoint)",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--weights", choices=("evaluated", "raw"), default="evaluated")
     p.add_argument("--merge", action="store_true", help="write the transformer with the LoRA merged in")
     a = p.parse_args(argv)
     out = export(a.checkpoint, a.out, a.weights, a.merge)
-    print(f"exported {a.weights} weights of {a.checkpoint} to {out}")
+    step = json.loads((out / "export.json").read_text())["checkpoint"]
+    print(f"exported {a.weights} weights of {step} to {out}")
     return 0
 
 

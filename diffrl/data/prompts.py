@@ -86,14 +86,22 @@ def load_prompts(source: str | Path) -> list[str]:
 
 
 def _read_file(given, path: Path) -> list[PromptRecord]:
-    if not path.is_file():
+    if path.is_dir():
         raise PromptFileError(
-            f"prompt file '{given}' does not exist (looked in {Path.cwd()} and {PROJECT_ROOT}); "
+            f"prompt file '{given}' is a directory ({path}); name a .txt, .jsonl, .csv or .json file in it, "
+            "or a prompt set (diffrl-data list)"
+        )
+    if not path.is_file():
+        places = sorted({str(Path.cwd()), str(PROJECT_ROOT)})
+        raise PromptFileError(
+            f"prompt file '{given}' does not exist (looked in {' and '.join(places)}); "
             "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file, "
             "or to a prompt set name (diffrl-data list)"
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (Windows editors write one) is dropped, in every format;
+        # kept, it became part of a .txt's first prompt and made a .jsonl's first line invalid
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
         raise PromptFileError(
             f"prompt file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})"

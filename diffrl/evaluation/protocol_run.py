@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from diffrl.config import ConfigError
+from diffrl.evaluation import json_out
 from diffrl.evaluation import protocols as P
 from diffrl.evaluation.protocol_images import ImageWriter
 
@@ -166,6 +167,6 @@ def write(result: dict, out: Path, name: str) -> None:
     title += "" if result["checkpoint"] == "base" else f" @ {result['checkpoint']}"
     table = P.markdown(result, title)
     (out / f"{name}.md").write_text(table + "\n")
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / f"{name}.json").write_text(json_out.dumps(result, indent=1, default=str) + "\n")
     print(table)
     print(f"\nwrote {out / f'{name}.md'} and {out / f'{name}.json'}")

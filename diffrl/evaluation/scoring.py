@@ -124,6 +124,7 @@ def evaluate(
         s.generation,
         keep_image=lambda position: pictures and position < SHEET_SIZE,
         thumbnail=thumbnails,
+        progress=f"{prefix} ({count} prompts x {len(s.seeds)} seeds)" if _progress_bar(session) else None,
     )
     if pictures and session.acc.is_main_process:
         _pictures(scored[:SHEET_SIZE], s.sheet_reward, sheet_path, media)
@@ -132,6 +133,12 @@ def evaluate(
     out = _score_summary(prefix, names, scored_tensor(scored, names), prompt_index)
     out[f"{prefix}/diversity"] = diversity(torch.stack([x.thumbnail for x in scored]), prompt_index)
     return out
+
+
+def _progress_bar(session) -> bool:
+    """Whether the run shows progress bars (``logging.progress_bar``)."""
+    logging = getattr(getattr(session, "cfg", None), "logging", None)
+    return bool(getattr(logging, "progress_bar", False))
 
 
 def evaluate_run(session, settings=None, sheet_path=None, media=None) -> dict[str, float]:

@@ -40,6 +40,39 @@ def registered_file(path: Path, name: str, ema: bool, old_policy: bool = False) 
     return Path(path) / f"custom_checkpoint_{registered(ema, old_policy).index(name)}.pkl"
 
 
+def open_to_the_umask(root: Path) -> None:
+    """Give every file under ``root`` (and ``root`` itself, if a file) the mode the process's
+    umask gives a new file (0644 under the usual 022). safetensors creates its files 0600,
+    and ``shutil.copy2`` keeps that, so colleagues on a shared disk could not read a
+    checkpoint or an export (issue 62, item 11)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = 0o666 & ~umask
+    root = Path(root)
+    for path in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
+def find_checkpoint(path: Path) -> Path:
+    """``path`` itself if it is a checkpoint (``step-N`` with ``meta.json``), else the newest
+    complete checkpoint of the run directory ``path`` (or of its ``checkpoints/``); a
+    :class:`CheckpointError` naming what was looked for otherwise."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    run_dir = path.parent if path.name == "checkpoints" else path
+    latest = latest_complete(run_dir)
+    if latest is None:
+        raise CheckpointError(
+            f"{path} is neither a checkpoint (a step-N folder with meta.json) nor a run directory with a "
+            "complete checkpoint under checkpoints/"
+        )
+    return latest[1]
+
+
 def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from diffrl.sampling.rollout import rollout_independent
 from diffrl.sampling.settings import SamplerSettings
@@ -89,12 +90,15 @@ def generate_and_score(
     keep_image: Callable[[int], bool] = lambda position: False,
     thumbnail: Callable[[torch.Tensor], torch.Tensor] | None = None,
     write_image: Callable[[Sample, torch.Tensor], None] | None = None,
+    progress: str | None = None,
 ) -> list[Scored]:
     """Generate and score ``samples`` (see the module docstring) with ``session``'s adapter
     and ``model`` (default: the session's policy), scored by ``reward_fn`` (default: the
     session's; None-valued scores when the session has none). ``keep_image(position)``
     keeps a sample's image, ``thumbnail`` maps each image to a kept thumbnail, and
-    ``write_image(sample, image)`` is called by the process that made it (saving it)."""
+    ``write_image(sample, image)`` is called by the process that made it (saving it).
+    ``progress``: a label for a progress bar over the batches (main process only), so a
+    long evaluation is never minutes of silence."""
     s = GenerationSettings.of(settings)
     acc, adapter = session.acc, session.adapter
     model = session.policy.transformer if model is None else model
@@ -106,10 +110,13 @@ def generate_and_score(
         prompts = [samples[i].prompt for i in mine]
         cond = adapter.encode_prompts(prompts, one_by_one=encode_alone) if prompts else None
     offset = 0
+    quiet = progress is None or not acc.is_local_main_process
+    bar = tqdm(total=len(samples), desc=progress, unit="sample", leave=False, disable=quiet)
     for chunk, padding in chunks:
         picked = list(range(offset, offset + len(chunk)))
         offset += len(chunk)
         images = _sample(session, model, cond.select(picked), [samples[i] for i in chunk], s)
+        bar.update(len(chunk) * acc.num_processes)  # every process's batch of this round
         if padding:
             continue  # sampled so every process runs the same forwards; not this process's work
         scores = _score(reward_fn, images, [samples[i] for i in chunk])
@@ -126,6 +133,7 @@ def generate_and_score(
                     thumbnail(image.unsqueeze(0))[0].cpu() if thumbnail is not None else None,
                 )
             )
+    bar.close()
     return _gathered(acc, done)
 
 

@@ -10,9 +10,9 @@ from diffrl.schema.fields import _f
 
 @dataclass
 class LoraConfig:
-    rank: int = _f(32, "LoRA rank r.")
-    alpha: float = _f(64.0, "LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = _f(0.0, "LoRA dropout. Keep 0 for exact on-policy replay.")
+    rank: int = _f(32, "LoRA rank r.", valid=">= 1")
+    alpha: float = _f(64.0, "LoRA alpha; the update is scaled by alpha / rank.", valid="> 0")
+    dropout: float = _f(0.0, "LoRA dropout. Keep 0 for exact on-policy replay.", valid="in [0, 1)")
     target_modules: list[str] | None = _f(None, "Module names to adapt; null uses the family default.")
 
 
@@ -32,9 +32,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32", "Dtype of the frozen weights (transformer, VAE, text encoders). LoRA weights stay fp32."
     )
-    height: int = _f(64, "Image height in pixels.")
-    width: int = _f(64, "Image width in pixels.")
-    num_frames: int = _f(1, "Frames per sample (video families only).")
+    height: int = _f(64, "Image height in pixels.", valid=">= 16")
+    width: int = _f(64, "Image width in pixels.", valid=">= 16")
+    num_frames: int = _f(1, "Frames per sample (video families only).", valid=">= 1")
     guidance_scale: float = _f(1.0, "CFG scale (sd3/sana/wan) or guidance embedding value (flux).")
     truncate_timestep: bool = _f(
         False,
@@ -46,7 +46,9 @@ class ModelConfig:
         "wan22: CFG scale of the low-noise expert (Wan2.2 A14B: 3.0, and 4.0 on the high-noise "
         "one); null: guidance_scale.",
     )
-    max_sequence_length: int = _f(128, "Max text tokens for the long text encoder (T5/Gemma/UMT5).")
+    max_sequence_length: int = _f(
+        128, "Max text tokens for the long text encoder (T5/Gemma/UMT5).", valid=">= 1"
+    )
     full_finetune: bool = _f(
         False, "Train all transformer weights instead of LoRA; keeps a frozen reference copy."
     )

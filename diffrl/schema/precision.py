@@ -49,6 +49,7 @@ class SolRLConfig:
         16,
         "Candidates explored per prompt (a tree pool's leaf count); rollout.group_size of them are "
         "regenerated and trained.",
+        valid=">= 1",
     )
     precision: Literal["auto", "nvfp4", "fp8", "bf16"] = _f(
         "auto",
@@ -66,6 +67,7 @@ class SolRLConfig:
         0,
         "Layers whose larger dimension is at most this stay in high precision too (Sol-RL's nvfp4_min_dim: "
         "2240 for SANA, 2432 for SD3, 1000 for FLUX); 0: none.",
+        valid=">= 0",
     )
     select: Literal["best_worst", "max_variance", "random"] = _f(
         "best_worst",
@@ -81,6 +83,7 @@ class SolRLConfig:
     explore_num_steps: int | None = _f(
         None,
         "Denoising steps of an ode pool (Sol-RL: 6, against 10 for training); null uses sampling.num_steps.",
+        valid=">= 1",
     )
 
 

@@ -47,7 +47,7 @@ class AdvantageConfig:
     estimator: Literal["group", "global_std", "median", "decoupled"] = _f(
         "group", "group mean/std, group mean with global std, median-centred (MC-GRPO), or per-reward (GDPO)."
     )
-    eps: float = _f(1e-4, "Added to the std before dividing (DanceGRPO / BranchGRPO: 1e-8).")
+    eps: float = _f(1e-4, "Added to the std before dividing (DanceGRPO / BranchGRPO: 1e-8).", valid=">= 0")
     std: Literal["population", "sample"] = _f(
         "population",
         "Std convention: 'population' (ddof 0, flow_grpo) or 'sample' (ddof 1, torch.std, as "
@@ -65,9 +65,11 @@ class AdvantageConfig:
 @dataclass
 class ObjectiveConfig:
     name: str = _f("flow_grpo", "Objective name from diffrl.algorithms.available_objectives().")
-    clip_range: float = _f(1e-4, "PPO ratio clip epsilon.")
-    adv_clip_max: float = _f(5.0, "Advantages are clipped to [-adv_clip_max, adv_clip_max].")
-    timestep_fraction: float = _f(1.0, "Fraction of trainable denoising steps used per sample.")
+    clip_range: float = _f(1e-4, "PPO ratio clip epsilon.", valid="> 0")
+    adv_clip_max: float = _f(5.0, "Advantages are clipped to [-adv_clip_max, adv_clip_max].", valid="> 0")
+    timestep_fraction: float = _f(
+        1.0, "Fraction of trainable denoising steps used per sample.", valid="in (0, 1]"
+    )
     skip_last_step: bool = _f(
         False,
         "Never train the last denoising step (DanceGRPO's and BranchGRPO's ignore_last): it is still "
@@ -78,7 +80,7 @@ class ObjectiveConfig:
         "Which timestep_fraction of the steps: a random subset per micro-batch (DanceGRPO, DiffusionNFT), or "
         "the first ones (flow_grpo's train_sd3.py: 0.99 of 10 steps trains steps 0-8, never the last).",
     )
-    kl_coef: float = _f(0.0, "Weight of the KL to the reference policy.")
+    kl_coef: float = _f(0.0, "Weight of the KL to the reference policy.", valid=">= 0")
     kl_type: Literal["exact", "flow_grpo"] = _f(
         "exact",
         "'exact' Gaussian KL ||mu-mu_ref||^2/(2 std^2), std^2 = std_t^2 (-dt); 'flow_grpo' "
@@ -100,11 +102,13 @@ class ObjectiveConfig:
         "Velocity anchor on the steps the objective does not train (outside the SDE window; "
         "for trees, their ODE steps): anchor_coef * mean ||v_theta - v_ref||^2 on the rollout's "
         "own states there. Keeps the untrained low-noise steps from drifting (docs/ALGORITHMS.md).",
+        valid=">= 0",
     )
     anchor_fraction: float = _f(
         0.25,
         "Share of the untrained steps anchored per micro-batch (keyed random subset); for trees, "
         "the share of the nodes at each untrained step anchored per epoch.",
+        valid="in (0, 1]",
     )
     forward_window: list[int] | None = _f(
         None,
@@ -121,32 +125,35 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(3e-4, "AdamW learning rate.")
+    lr: float = _f(3e-4, "AdamW learning rate (0: a control run that never moves).", valid=">= 0")
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
-    weight_decay: float = _f(1e-4, "AdamW weight decay.")
-    eps: float = _f(1e-8, "AdamW epsilon.")
-    max_grad_norm: float = _f(1.0, "Gradient clipping norm; 0 disables.")
+    weight_decay: float = _f(1e-4, "AdamW weight decay.", valid=">= 0")
+    eps: float = _f(1e-8, "AdamW epsilon.", valid="> 0")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm; 0 disables.", valid=">= 0")
     scheduler: Literal["constant", "cosine", "linear"] = _f("constant", "LR schedule after warm-up.")
-    warmup_steps: int = _f(0, "Linear warm-up optimizer steps.")
+    warmup_steps: int = _f(0, "Linear warm-up optimizer steps.", valid=">= 0")
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = _f(100, "Training iterations (rollout + update).")
-    micro_batch_size: int = _f(4, "Samples per training forward, per process.")
-    gradient_accumulation: int = _f(1, "Micro-batches per optimizer step.")
-    num_inner_epochs: int = _f(1, "Passes over each iteration's samples.")
+    max_steps: int = _f(100, "Training iterations (rollout + update).", valid=">= 0")
+    micro_batch_size: int = _f(4, "Samples per training forward, per process.", valid=">= 1")
+    gradient_accumulation: int = _f(1, "Micro-batches per optimizer step.", valid=">= 1")
+    num_inner_epochs: int = _f(1, "Passes over each iteration's samples.", valid=">= 1")
     shuffle_samples: bool = _f(
         True,
         "Train an iteration's samples in a keyed random order (flow_grpo, DiffusionNFT); false: in "
         "rollout order (DanceGRPO's train_grpo_flux.py).",
     )
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "Autocast precision for forward passes.")
-    ema_decay: float = _f(0.0, "EMA decay of trainable weights used for evaluation; 0 disables.")
+    ema_decay: float = _f(
+        0.0, "EMA decay of trainable weights used for evaluation; 0 disables.", valid="in [0, 1)"
+    )
     ema_update_every: int = _f(
         1,
         "Optimizer steps between EMA updates: the average moves after step n when (n + 1) % every == 0 "
         "(flow_grpo: 8).",
+        valid=">= 1",
     )
     ema_warmup: bool = _f(
         False,
@@ -156,29 +163,33 @@ class TrainConfig:
         1,
         "Times each EMA update is applied (flow_grpo steps its EMA once per micro-batch of samples, so each "
         "update lands once per micro-batch of an optimizer step: 2 in its 32-GPU recipes).",
+        valid=">= 1",
     )
     replay_gap_warn: float = _f(
         1e-6,
         "Warn when replay/logprob_gap (the training forward against the log-prob stored at sampling) "
         "passes this; exact runs log at most ~1e-7, off-policy ones 1e-5 and more. 0: never.",
+        valid=">= 0",
     )
     max_skipped_iterations: int = _f(
         5,
         "Stop (non-zero exit) after this many iterations in a row that applied no update because of "
         "non-finite rewards or losses; 0 never stops.",
+        valid=">= 0",
     )
     collective_timeout_minutes: float = _f(
         60.0,
         "How long a collective may wait before the process group gives up (torch's default is 10 "
         "minutes, less than a first compile or a 12B checkpoint write can take on another process).",
+        valid="> 0",
     )
 
 
 @dataclass
 class EvalConfig:
-    every: int = _f(0, "Evaluate every N iterations (and at the end); 0 disables.")
+    every: int = _f(0, "Evaluate every N iterations (and at the end); 0 disables.", valid=">= 0")
     num_prompts: int = _f(
-        4, "Held-out prompts used per evaluation (more than the file has: all, with a warning)."
+        4, "Held-out prompts used per evaluation (more than the file has: all, with a warning).", valid=">= 1"
     )
     subset: Literal["first", "spaced"] = _f(
         "first",
@@ -189,6 +200,7 @@ class EvalConfig:
         0,
         "Training prompts also evaluated (a fixed, evenly spaced subset; logged as "
         "eval_train/...); 0 skips them.",
+        valid=">= 0",
     )
     seeds: list[int] = _f([0], "Fixed seeds; each prompt is sampled once per seed.")
     guidance_scale: float | None = _f(
@@ -215,5 +227,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(0, "Checkpoint every N iterations (and at the end); 0 saves only at the end.")
-    keep: int = _f(3, "Keep the newest N checkpoints; 0 keeps all.")
+    every: int = _f(
+        0, "Checkpoint every N iterations (and at the end); 0 saves only at the end.", valid=">= 0"
+    )
+    keep: int = _f(3, "Keep the newest N checkpoints; 0 keeps all.", valid=">= 0")

@@ -37,6 +37,7 @@ from diffrl.inference.checkpoints import (
     checkpoint_root,
     list_checkpoints,
     model_settings_diff,
+    open_to_the_umask,
     weights_mismatch,
 )
 from diffrl.runtime.sharding import is_sharded
@@ -72,6 +73,7 @@ def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0, ema=None
         meta = {"step": step, "diffrl_version": diffrl.__version__, "time": time.time(), "files": files}
         meta["weights"] = _weights_note(ema)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        open_to_the_umask(tmp)  # safetensors writes 0600: a shared disk's colleagues could not read it
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

@@ -63,10 +63,10 @@ def closing_lines(run_dir: Path, last_checkpoint: Path | None, ema_decay: float 
     """Where the run's outputs are, the commands that show them, and which weights the
     evaluations scored and the checkpoint exports."""
     run_dir = Path(run_dir)
-    lines = [
-        f"metrics:     {run_dir / 'metrics.jsonl'}",
-        f"samples:     {run_dir / 'samples'}/step-N.png (the fixed evaluation prompts and noise)",
-    ]
+    lines = [f"metrics:     {run_dir / 'metrics.jsonl'}"]
+    if any((run_dir / "samples").glob("step-*.png")):  # only where an evaluation wrote sheets
+        sheets = f"{run_dir / 'samples'}/step-N.png"
+        lines.append(f"samples:     {sheets} (the fixed evaluation prompts and noise)")
     if (run_dir / "logs").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'logs'}")
     lines.append(f"checkpoint:  {last_checkpoint}" if last_checkpoint else "checkpoint:  none saved")

@@ -116,3 +116,23 @@ def test_without_an_ema_the_export_is_the_trained_weights(tmp_path):
     checkpoint = tmp_path / "checkpoints" / "step-1"
     assert json.loads((checkpoint / "meta.json").read_text())["weights"]["export"] == "trained"
     assert not (checkpoint / "raw").exists()
+
+
+def test_checkpoints_and_exports_are_readable_as_the_umask_allows(run, tmp_path):
+    """Issue 62, item 11: safetensors writes 0600 and copy2 kept it, so colleagues on a
+    shared disk could not read a checkpoint or an export; and a run directory exports its
+    newest checkpoint."""
+    import os
+    import stat
+
+    _, checkpoint = run
+    umask = os.umask(0)
+    os.umask(umask)
+    wanted = 0o666 & ~umask
+    files = [p for p in checkpoint.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {wanted}
+    export = load_script("export")
+    out = export.export(checkpoint.parent.parent, tmp_path / "from_run_dir")  # the run directory
+    assert json.loads((out / "export.json").read_text())["checkpoint"] == str(checkpoint)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()} == {wanted}
