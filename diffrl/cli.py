@@ -139,9 +139,11 @@ def _check_inputs(cfg) -> None:
     quoted text in)."""
     from diffrl.data.prompts import check_image_column, load_prompts
     from diffrl.models import adapter_class
+    from diffrl.models.lora_files import check_lora_spec
     from rewards.combine import check_prompts_without_weights, check_reward_specs
 
     check_reward_specs(cfg.rewards)
+    check_lora_spec(cfg.model.init_lora)
     paths = [cfg.data.train_prompts] + (
         [cfg.data.eval_prompts] if cfg.eval.every or cfg.eval.at_start else []
     )

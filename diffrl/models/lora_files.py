@@ -95,6 +95,7 @@ def load_init_lora(transformer, spec: str, lora_cfg, log=print) -> None:
             f"model.init_lora '{spec}' was trained with lora_alpha {alpha} (rank {rank}), this config's "
             f"is {lora_cfg.alpha}: set model.lora.alpha={alpha} and model.lora.rank={rank}"
         )
+    _check_shapes(transformer, state, spec, lora_cfg)
     result = set_peft_model_state_dict(transformer, state)
     ours = {n for n, p in transformer.named_parameters() if p.requires_grad}
     loaded = {_adapter_name(k) for k in state}
@@ -107,6 +108,38 @@ def load_init_lora(transformer, spec: str, lora_cfg, log=print) -> None:
             f"(e.g. {unexpected[:2]})"
         )
     log(f"model.init_lora: the LoRA starts from {spec} ({len(state) // 2} layers)")
+
+
+def _check_shapes(transformer, state: dict, spec: str, lora_cfg) -> None:
+    """One line where a saved factor's shape is not this config's (a rank mismatch used to
+    end in peft's size-mismatch traceback)."""
+    ours = dict(transformer.named_parameters())
+    for key, value in state.items():
+        param = ours.get(_adapter_name(key))
+        if param is None or tuple(param.shape) == tuple(value.shape):
+            continue
+        saved_rank = value.shape[0] if ".lora_A" in key else value.shape[1]
+        raise ConfigError(
+            f"model.init_lora '{spec}' has rank {saved_rank} ({key}: {tuple(value.shape)}), this config's "
+            f"model.lora.rank is {lora_cfg.rank} ({tuple(param.shape)}): set model.lora.rank={saved_rank}"
+        )
+
+
+def looks_local(spec: str) -> bool:
+    """Whether ``spec`` is meant as a local path rather than a hub id ("owner/name"): it
+    exists, is absolute or home-relative, starts with "." or has more than one "/"."""
+    path = Path(spec).expanduser()
+    return path.exists() or spec.startswith(("/", "~", ".")) or spec.count("/") > 1
+
+
+def check_lora_spec(spec: str | None, setting: str = "model.init_lora") -> None:
+    """Before anything loads (``--dry-run``, ``--preflight``, every start): a local path that
+    is not there is one line; a hub id is left to the preflight and the download."""
+    if spec and looks_local(spec) and not Path(spec).expanduser().exists():
+        raise ConfigError(
+            f"{setting} '{spec}': no such file or folder; point it at a PEFT adapter folder "
+            "(adapter_config.json) or diffusers LoRA weights (pytorch_lora_weights.safetensors), or a hub id"
+        )
 
 
 def _adapter_name(key: str) -> str:

@@ -125,8 +125,27 @@ def reward_needs(cfg) -> list[Need]:
     return out
 
 
+def lora_needs(cfg) -> list[Need]:
+    """``model.init_lora``: a local LoRA, or a hub repository's LoRA files."""
+    from diffrl.models.lora_files import looks_local
+
+    spec = cfg.model.init_lora
+    if not spec:
+        return []
+    what = f"LoRA {spec} (model.init_lora)"
+    if looks_local(spec):
+        return [
+            Need(
+                what,
+                path=str(Path(spec).expanduser()),
+                fix="point model.init_lora at the LoRA's folder or file",
+            )
+        ]
+    return [Need(what, repo=spec, includes=["*.json", "*.safetensors"])]
+
+
 def gather(cfg) -> list[Need]:
-    return [*prompt_needs(cfg), *model_needs(cfg), *reward_needs(cfg)]
+    return [*prompt_needs(cfg), *model_needs(cfg), *lora_needs(cfg), *reward_needs(cfg)]
 
 
 # -- is it here? ------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import uuid
+from pathlib import Path
 
 from diffrl.config import ConfigError
 
@@ -63,14 +66,47 @@ def _plain(value):
     return value
 
 
-def init_trackers(accelerator, cfg) -> None:
-    """Start the configured trackers: W&B under ``logging.project`` (entity, tags) with the
-    run's name and its folder, TensorBoard under ``logs/<project>``."""
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of this run directory: made at the first start and kept in
+    ``RUN/wandb_run_id``, so ``--resume`` continues the same W&B run instead of starting a
+    second one (issue 62, item 9)."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.is_file() and (known := path.read_text().strip()):
+        return known
+    made = uuid.uuid4().hex[:12]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(made + "\n")
+    return made
+
+
+def wandb_init_kwargs(cfg) -> dict:
+    """``wandb.init`` arguments: the run's name, tags and entity, its kept id with
+    ``resume="allow"``, and its files under ``WANDB_DIR`` when that is set (W&B's own
+    variable, which an explicit ``dir`` would override), else in the run directory."""
     lc = cfg.logging
-    wandb = {"name": cfg.run_name, "dir": str(cfg.run_dir), "tags": list(lc.tags)}
+    kwargs = {
+        "name": cfg.run_name,
+        "dir": os.environ.get("WANDB_DIR") or str(cfg.run_dir),
+        "tags": list(lc.tags),
+        "id": wandb_run_id(cfg.run_dir),
+        "resume": "allow",
+    }
     if lc.entity:
-        wandb["entity"] = lc.entity
-    accelerator.init_trackers(lc.project, config=hyperparameters(cfg), init_kwargs={"wandb": wandb})
+        kwargs["entity"] = lc.entity
+    return kwargs
+
+
+def init_trackers(accelerator, cfg) -> None:
+    """Start the configured trackers: W&B under ``logging.project`` (:func:`wandb_init_kwargs`),
+    TensorBoard under ``logs/<project>``."""
+    lc = cfg.logging
+    kwargs = (
+        {"wandb": wandb_init_kwargs(cfg)} if "wandb" in lc.trackers and accelerator.is_main_process else {}
+    )
+    accelerator.init_trackers(lc.project, config=hyperparameters(cfg), init_kwargs=kwargs)
 
 
 def log_evaluation_media(accelerator, step: int, media: dict | None, prefix: str = "eval") -> None:

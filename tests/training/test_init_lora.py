@@ -88,3 +88,26 @@ def test_a_resume_loads_its_checkpoint_not_the_initial_lora(trained, tmp_path):
     saved = load_file(tmp_path / "checkpoints" / "step-1" / "trainable.safetensors")
     for name, value in _lora(resumed).items():
         torch.testing.assert_close(value, saved[name])
+
+
+def test_a_lora_of_another_rank_is_one_line_not_a_traceback(trained, tmp_path):
+    """Issue 62, item 2: peft's size-mismatch RuntimeError used to surface (53 lines)."""
+    sets = (f"model.init_lora={trained}", "model.lora.rank=8", "model.lora.alpha=8")
+    with pytest.raises(ConfigError, match=r"has rank 4 .* model.lora.rank is 8 .*set model.lora.rank=4"):
+        Trainer(quick_config("tiny_toy_flowgrpo", tmp_path, *sets))
+
+
+def test_a_missing_local_lora_fails_the_dry_run_and_a_hub_one_is_in_the_preflight(tmp_path, capsys):
+    """Issue 62, item 2: both passed --dry-run and --preflight and failed after the base
+    model had loaded."""
+    from diffrl.cli import main
+    from diffrl.config import load_config
+    from diffrl.training.preflight import gather
+
+    base = ["--config", "tiny_toy_flowgrpo", "--set", f"output_dir={tmp_path}"]
+    assert main([*base, "--set", f"model.init_lora={tmp_path / 'nope'}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "model.init_lora" in err and "no such file or folder" in err
+    hub = load_config("tiny_toy_flowgrpo", ["model.init_lora=someone/a-lora"])
+    needs = [n for n in gather(hub) if "model.init_lora" in n.what]
+    assert len(needs) == 1 and needs[0].repo == "someone/a-lora"

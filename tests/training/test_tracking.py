@@ -115,3 +115,25 @@ def test_evaluation_media_need_no_wandb_when_no_tracker_runs(monkeypatch, tmp_pa
     )
     out = Trainer(cfg).evaluate()
     assert out["eval/n"] == 4 and (cfg.run_dir / "samples" / "step-0.png").is_file()
+
+
+def test_the_w_and_b_run_id_is_the_run_directory_s_so_a_resume_continues_it(offline_run):
+    """Issue 62, item 9: --resume started a second W&B run."""
+    cfg, run_file = offline_run
+    records = read_wandb_records(run_file)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.run_id == (cfg.run_dir / "wandb_run_id").read_text().strip()
+
+
+def test_a_resume_asks_for_the_same_id_and_wandb_dir_is_obeyed(tmp_path, monkeypatch):
+    from diffrl.training.tracking import wandb_init_kwargs
+
+    cfg = quick_config("tiny_toy_flowgrpo", tmp_path / "run", "logging.trackers=[wandb]")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    first = wandb_init_kwargs(cfg)
+    assert first["dir"] == str(cfg.run_dir) and first["resume"] == "allow"
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    again = wandb_init_kwargs(cfg)  # the resumed process
+    assert again["id"] == first["id"] and again["dir"] == str(tmp_path / "elsewhere")
+    other = quick_config("tiny_toy_flowgrpo", tmp_path / "other", "logging.trackers=[wandb]")
+    assert wandb_init_kwargs(other)["id"] != first["id"]
