@@ -51,14 +51,29 @@ def main(argv=None) -> int:
         if not a.names:
             p.error(f"{a.command} needs set names (diffrl-data list shows them)")
         names = list(SETS) if a.names == ["all"] else a.names
-        for name in names:
-            paths = fetch(name, a.dir) if a.command == "fetch" else local_files(name, a.dir)
-            if a.command == "path":
-                print("\n".join(map(str, paths)))
+        if a.command == "path":
+            for name in names:
+                print("\n".join(map(str, local_files(name, a.dir))))
+            return 0
+        return _fetch_each(names, a.dir)
     except (PromptSetError, UnknownPromptSet) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    return 0
+
+
+def _fetch_each(names: list[str], root) -> int:
+    """Fetch every set named, going on past a failure (``fetch all`` stopped at the first);
+    each failure is one line, and the last line says which failed. 1 if any did."""
+    failed = []
+    for name in names:
+        try:
+            fetch(name, root)
+        except (PromptSetError, UnknownPromptSet) as err:
+            print(f"error: {err}", file=sys.stderr)
+            failed.append(name)
+    if failed and len(names) > 1:
+        print(f"error: {len(failed)} of {len(names)} sets not fetched: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def local_files(name: str, root: str | Path | None = None) -> list[Path]:
     files = []
     for f in s.files:
         target, record = _paths(s, root, f)
+        if target.is_file() and not record.is_file():
+            _verify_in_place(s, f, target, record)  # copied by hand: checked against its pin
         if not (target.is_file() and record.is_file()):
             raise PromptSetError(
                 f"prompt set '{name}' is not fetched in {root}: run `diffrl-data fetch {name}` "
@@ -83,9 +85,30 @@ def fetch(name: str, root: str | Path | None = None, log=print) -> list[Path]:
     return [_fetch_file(s, root, f, log) for f in s.files]
 
 
+def _verify_in_place(s: PromptSet, f: SourceFile, target: Path, record: Path) -> bool:
+    """A file put in the data folder by hand (copied from a machine with network): if its
+    set pins it and it matches, record it as verified, exactly as a fetch would have, and
+    say True. An unpinned file cannot be verified (its first fetch is its pin), nor can a
+    mismatching one; both stay unrecorded (issue 62, item 7)."""
+    if not (f.sha256 or f.git_blob):
+        return False
+    data = target.read_bytes()
+    try:
+        digest = _check(f, data, s.name, None)
+    except PromptSetError:
+        return False
+    record.write_text(json.dumps({"sha256": digest, "url": url_of(f), "pinned": f.pinned}) + "\n")
+    return True
+
+
 def _fetch_file(s: PromptSet, root: Path, f: SourceFile, log) -> Path:
     target, record = _paths(s, root, f)
     target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_file() and not record.is_file():
+        if _verify_in_place(s, f, target, record):
+            log(f"{s.name}: {target} was already here and matches its pin; recorded, nothing downloaded")
+            return target
+        log(f"{s.name}: {target} is here but cannot be verified against a pin; downloading it")
     recorded = _recorded(record) if record.is_file() else None
     if target.is_file() and recorded is not None:
         try:

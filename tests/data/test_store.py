@@ -252,3 +252,33 @@ def test_every_entry_names_its_source_format_licence_and_hashes():
     wanted |= {"pickscore/test", "hpdv2/train", "drawbench", "hpdv2/benchmark"}
     assert wanted <= set(registry.SETS)
     assert registry.get("geneval/eval").prompts == 553 and registry.get("drawbench").prompts == 200
+
+
+def test_a_set_copied_by_hand_is_verified_against_its_pin_not_downloaded(server, monkeypatch, capsys):
+    """Issue 62, item 7: a pinned file put in the data folder by hand was 'not fetched',
+    and `fetch` downloaded it again instead of checking it."""
+    serve_as_registered(server, monkeypatch)
+    F.fetch("geneval/eval", log=lambda _: None)
+    (path,) = F.local_files("geneval/eval")
+    path.with_name(path.name + ".verified").unlink()  # as if copied from another machine
+    assert data_cli(["list"]) == 0 and "geneval/eval" in capsys.readouterr().out
+    assert F.local_files("geneval/eval") == [path] and len(server.requests) == 1  # verified in place
+    path.with_name(path.name + ".verified").unlink()
+    lines = []
+    F.fetch("geneval/eval", log=lines.append)
+    assert len(server.requests) == 1 and "matches its pin; recorded, nothing downloaded" in lines[0]
+    path.with_name(path.name + ".verified").unlink()
+    path.write_text("a hand-edited copy\n")  # does not match the pin: never taken as fetched
+    with pytest.raises(F.PromptSetError, match="is not fetched"):
+        F.local_files("geneval/eval")
+
+
+def test_fetch_all_goes_on_past_a_failure_and_names_what_failed(server, monkeypatch, capsys):
+    serve_as_registered(server, monkeypatch)
+    (f,) = registry.SETS["ocr/test"].files
+    server.files[_url_path(server, f)] = b"changed upstream\n"  # fails its pin
+    assert data_cli(["fetch", "all"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: 1 of {len(registry.SETS)} sets not fetched: ocr/test"
+    fetched = [n for n in registry.SETS if n != "ocr/test"]
+    assert all(F.local_files(n) for n in fetched)  # every other set came
