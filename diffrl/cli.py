@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    import os
+
     args = parse_args(argv)
     if args.help_config:
         print("\n".join(describe()))
@@ -74,6 +76,8 @@ def main(argv=None) -> int:
 
             overrides = tiny_twin_overrides(cfg, _world(args))
             cfg = load_config(args.config, overrides + list(args.overrides))
+            if int(os.environ.get("RANK", "0")) == 0:  # said once, however many processes
+                print(f"note: --tiny-twin runs with {'; '.join(overrides)} (then your --set)")
         elif args.full_size:
             from diffrl.twin import full_size_overrides
 

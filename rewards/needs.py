@@ -127,6 +127,12 @@ def _vlm(args: dict) -> list[dict]:
 
 
 def _videoalign(args: dict) -> list[dict]:
+    """The release (its weights, model_config.json and tokenizer), the Qwen2-VL base whose
+    config and processor it is built from (the release's model_config.json names
+    Qwen/Qwen2-VL-2B-Instruct; ``base`` overrides it), and the pinned prompt template,
+    downloaded once (issue 62, item 4: the last two were not listed)."""
+    import hashlib
+
     from rewards.videoalign import TEMPLATE_URL
 
     spec = str(args.get("checkpoint") or "KwaiVGI/VideoReward")
@@ -134,12 +140,36 @@ def _videoalign(args: dict) -> list[dict]:
     if "repo" in need:  # the whole release is read (model_config.json, checkpoint-N/model.pth, tokenizer)
         need["fix"] = f"hf download {spec}   (or --local-dir DIR, then rewards.N.args.checkpoint: DIR)"
     needs = [need]
-    if args.get("base"):  # else the checkpoint's model_config.json names it (Qwen/Qwen2-VL-2B-Instruct)
-        needs.append(_hub_or_path("videoalign base processor", str(args["base"]), "preprocessor_config.json"))
+    base = str(args.get("base") or VIDEOALIGN_BASE)
+    if looks_like_hub_id(base):  # its config and processor only: the release carries the weights
+        needs.append(
+            {"what": "videoalign base config and processor", "repo": base, "files": VIDEOALIGN_BASE_FILES}
+        )
+    else:
+        needs.append(_hub_or_path("videoalign base config and processor", base, "preprocessor_config.json"))
     template = str(args.get("template") or TEMPLATE_URL)
-    if not template.startswith(("http://", "https://")):
+    if template.startswith(("http://", "https://")):
+        from rewards.clip_common import url_file_path
+
+        name = f"videoalign-{hashlib.sha256(template.encode()).hexdigest()[:16]}.py"  # as the reward names it
+        cached = url_file_path(template, name)
+        needs.append({"what": "videoalign prompt template", "path": cached, "download_url": template,
+                      "fix": f"wget '{template}' -O '{cached}'"})  # fmt: skip
+    else:
         needs.append({"what": "videoalign prompt template", "path": os.path.expanduser(template)})
     return needs
+
+
+# the base VideoReward's model_config.json names, and what AutoConfig and AutoProcessor read of it
+VIDEOALIGN_BASE = "Qwen/Qwen2-VL-2B-Instruct"
+VIDEOALIGN_BASE_FILES = [
+    "config.json",
+    "preprocessor_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+]
 
 
 def _servers(args: dict) -> list[dict]:

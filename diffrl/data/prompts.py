@@ -92,7 +92,15 @@ def _read_file(given, path: Path) -> list[PromptRecord]:
             "or a prompt set (diffrl-data list)"
         )
     if not path.is_file():
+        from diffrl.data.registry import nearest_set_names
+
         places = sorted({str(Path.cwd()), str(PROJECT_ROOT)})
+        near = nearest_set_names(str(given))
+        if near:  # a misspelt set name, as `diffrl-data path` would have said
+            raise PromptFileError(
+                f"'{given}' is neither a prompt file nor a known prompt set; did you mean "
+                f"{' or '.join(repr(n) for n in near)}? (diffrl-data list shows every set)"
+            )
         raise PromptFileError(
             f"prompt file '{given}' does not exist (looked in {' and '.join(places)}); "
             "set data.train_prompts / data.eval_prompts to a .txt (one prompt per line) or .jsonl file, "

@@ -285,3 +285,10 @@ def get(name: str) -> PromptSet:
 
 def is_set_name(value: str) -> bool:
     return value in SETS
+
+
+def nearest_set_names(value: str, count: int = 2) -> list[str]:
+    """The known set names closest to ``value`` (a misspelt one), nearest first."""
+    import difflib
+
+    return difflib.get_close_matches(str(value), list(SETS), n=count, cutoff=0.6)

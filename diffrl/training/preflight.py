@@ -75,10 +75,17 @@ def pipeline_components(family: str) -> list[str]:
             name != "self"
             and name not in optional
             and not config_value
-            and param.annotation not in (bool, "bool")
+            and not _is_plain_value(param.annotation)
         ):
             names.append(name)
     return names + [c for c in getattr(adapter, "weight_components", ()) if c not in names]
+
+
+def _is_plain_value(annotation) -> bool:
+    """A pipeline argument that is a number or a flag (Wan2.2's ``boundary_ratio``), not a
+    component folder."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    return any(word in str(text) for word in ("bool", "float", "int", "str")) and "Tokenizer" not in str(text)
 
 
 def model_needs(cfg) -> list[Need]:
@@ -145,7 +152,40 @@ def lora_needs(cfg) -> list[Need]:
 
 
 def gather(cfg) -> list[Need]:
-    return [*prompt_needs(cfg), *model_needs(cfg), *lora_needs(cfg), *reward_needs(cfg)]
+    return merged([*prompt_needs(cfg), *model_needs(cfg), *lora_needs(cfg), *reward_needs(cfg)])
+
+
+def _identity(need: Need) -> tuple:
+    return (
+        need.repo,
+        need.revision,
+        tuple(need.files),
+        tuple(need.includes),
+        need.path,
+        need.url,
+        need.python,
+        need.prompt_set,
+        need.download_url,
+    )
+
+
+def merged(needs: list[Need]) -> list[Need]:
+    """One line per thing to fetch: needs of the same files (a prompt set that is both the
+    training and the evaluation set, a tokenizer two rewards read) are one need, named by
+    everything that reads it (issue 62, item 4: the list repeated them)."""
+    out: dict[tuple, Need] = {}
+    for need in needs:
+        key = _identity(need)
+        if need.repo is not None and need.files and not need.includes:  # files of one repo: one line
+            key = (need.repo, need.revision, "files")
+        if key not in out:
+            out[key] = need
+            continue
+        first = out[key]
+        if need.what not in first.what:
+            first.what = f"{first.what}; {need.what}"
+        first.files = [*first.files, *(f for f in need.files if f not in first.files)]
+    return list(out.values())
 
 
 # -- is it here? ------------------------------------------------------------------------------

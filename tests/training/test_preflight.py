@@ -154,3 +154,24 @@ def test_a_start_with_something_missing_says_it_once_with_all_of_it(tmp_path, ca
     )
     assert main([*args, "--preflight"]) == 2
     assert "MISSING  hpsv21 checkpoint" in capsys.readouterr().out
+
+
+def test_each_thing_is_listed_once_and_videoalign_s_base_and_template_are_listed(tmp_path, monkeypatch):
+    """Issue 62, item 4: a set that is both the training and the evaluation set, and the
+    files one tokenizer repository gives two rewards, were listed again and again; what
+    VideoAlign reads besides its release (the Qwen2-VL base's config and processor, the
+    pinned template) was not listed; Wan's number arguments were called folders."""
+    monkeypatch.setenv("DIFFRL_DATA", str(tmp_path / "data"))
+    rewards = "rewards=[{name: videoalign}, {name: pickscore}, {name: pickscore, weight: 0.5}]"
+    cfg = load_config("wan_videoalign", [rewards])
+    needs = PF.gather(cfg)
+    sets = [n for n in needs if n.prompt_set == "dancegrpo/video"]
+    assert len(sets) == 1 and "data.train_prompts" in sets[0].what and "data.eval_prompts" in sets[0].what
+    laion = [n for n in needs if n.repo == "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"]
+    assert len(laion) == 1 and {"vocab.json", "merges.txt"} <= set(laion[0].files)
+    base = [n for n in needs if n.repo == "Qwen/Qwen2-VL-2B-Instruct"]
+    assert len(base) == 1 and {"config.json", "preprocessor_config.json"} <= set(base[0].files)
+    (template,) = [n for n in needs if n.what == "videoalign prompt template"]
+    assert template.download_url.endswith("/prompt_template.py") and template.path.endswith(".py")
+    assert len({PF.command(n) for n in needs}) == len(needs)  # no line twice
+    assert "boundary_ratio" not in PF.pipeline_components("wan22")
