@@ -162,7 +162,7 @@ def _preflight_only(cfg) -> int:
     """``--preflight``: the whole list (the main process prints it); 2 if anything is missing."""
     import os
 
-    from diffrl.training.preflight import preflight, report
+    from diffrl.inference.preflight import preflight, report
 
     needs = preflight(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -174,18 +174,10 @@ def _preflight_only(cfg) -> int:
 
 
 def _preflight(cfg) -> None:
-    """The start's preflight: what the run cannot fetch itself stops it, listed all at once;
-    hub files it is about to download are said (main process)."""
-    import os
+    """The start's preflight (:func:`~diffrl.inference.preflight.stop_if_missing`)."""
+    from diffrl.inference.preflight import stop_if_missing
 
-    from diffrl.training.preflight import PreflightError, blocking, preflight, report
-
-    needs = preflight(cfg)
-    missing = [n for n in needs if not n.found]
-    if blocking(needs):
-        raise PreflightError(report(missing) + "\n(diffrl-train --preflight checks again without starting)")
-    if missing and int(os.environ.get("RANK", "0")) == 0:
-        print(report(missing).replace("preflight:", "preflight: downloading now;", 1))
+    stop_if_missing(cfg, "diffrl-train --preflight checks again without starting")
 
 
 def _claim_run_dir(run_dir, args) -> None:

@@ -22,9 +22,20 @@ from rewards.clip_common import looks_like_hub_id
 CLIP_L = "openai/clip-vit-large-patch14"
 
 
+def _legacy_hub_id(spec: str) -> bool:
+    """A hub id from before owners (``bert-base-uncased``), which transformers still
+    resolves: no "/", not a local path, not a file name."""
+    return (
+        "/" not in spec
+        and not os.path.exists(os.path.expanduser(spec))
+        and not spec.startswith((".", "~"))
+        and "." not in spec
+    )
+
+
 def _hub_or_path(what: str, spec: str, filename: str | None = None) -> dict:
     """A hub model (or file of one) or a local path, as the reward itself resolves ``spec``."""
-    if looks_like_hub_id(spec):
+    if looks_like_hub_id(spec) or _legacy_hub_id(spec):
         need = {"what": what, "repo": spec}
         return {**need, "files": [filename]} if filename else {**need, "model": True}
     path = os.path.expanduser(spec)

@@ -77,6 +77,41 @@ def _spec(protocol: P.Protocol, key: str) -> dict:
     return {**spec, "label": key} if spec["name"] != key else spec
 
 
+def protocol_config(request: ProtocolRun):
+    """The config a protocol run reads: its ``--config`` (or the checkpoint's own), with the
+    protocol's rewards and prompts in place of the run's."""
+    import dataclasses
+
+    from diffrl.config import RewardSpec, load_config
+    from diffrl.inference.checkpoints import find_checkpoint
+
+    protocol = P.PROTOCOLS[request.protocol]
+    if request.config is not None:
+        cfg = load_config(request.config, list(request.overrides))
+    elif request.checkpoint != "base":
+        cfg = load_config(str(find_checkpoint(request.checkpoint) / "config.yaml"), list(request.overrides))
+    else:
+        raise ConfigError("--protocol with --checkpoint base needs --config (the model to score)")
+    source = request.prompts or protocol.prompts or cfg.data.eval_prompts
+    rewards = [RewardSpec(**spec) for spec in reward_specs(protocol, request.rewards, request.reward_args)]
+    data = dataclasses.replace(cfg.data, train_prompts=source, eval_prompts=source)
+    return dataclasses.replace(cfg, rewards=rewards, data=data)
+
+
+def preflight_protocol(request: ProtocolRun) -> None:
+    """Everything the protocol reads (model, LoRA, every reward's files, the prompt set),
+    checked at once before a model loads; what it cannot fetch stops it in one list, each
+    fix phrased as the ``--reward-arg`` it takes (issue 62, item 5: DrawBench took five runs
+    to find five missing rewards)."""
+    from diffrl.inference.preflight import stop_if_missing
+
+    stop_if_missing(
+        protocol_config(request),
+        f"scripts/evaluate.py --protocol {request.protocol} lists this again when run",
+        reward_arg_style=True,
+    )
+
+
 def open_session(request: ProtocolRun):
     """The inference session that scores ``request``: its config, the protocol's rewards,
     the checkpoint's weights or an outside LoRA."""
@@ -126,6 +161,7 @@ def _reward_args(session) -> list[tuple[str, dict]]:
 def run(request: ProtocolRun) -> dict | None:
     """Run ``request``'s protocol; the main process writes and returns the result."""
     protocol = P.PROTOCOLS[request.protocol]
+    preflight_protocol(request)  # everything it reads, before a model loads
     session = open_session(request)
     source = request.prompts or protocol.prompts or session.cfg.data.eval_prompts
     items = P.protocol_items(protocol, source)[: request.limit or None]

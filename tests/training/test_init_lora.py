@@ -102,7 +102,7 @@ def test_a_missing_local_lora_fails_the_dry_run_and_a_hub_one_is_in_the_prefligh
     model had loaded."""
     from diffrl.cli import main
     from diffrl.config import load_config
-    from diffrl.training.preflight import gather
+    from diffrl.inference.preflight import gather
 
     base = ["--config", "tiny_toy_flowgrpo", "--set", f"output_dir={tmp_path}"]
     assert main([*base, "--set", f"model.init_lora={tmp_path / 'nope'}", "--dry-run"]) == 2

@@ -328,6 +328,33 @@ def preflight(cfg, ask_hub: bool = True) -> list[Need]:
     return needs
 
 
+def stop_if_missing(cfg, again: str, reward_arg_style: bool = False) -> None:
+    """What a start (a training run, a protocol) cannot fetch itself stops it, listed all at
+    once with ``again`` (how to check without starting); hub files it is about to download
+    are said (main process). ``reward_arg_style``: fixes are phrased as the ``--reward-arg
+    NAME.KEY=VALUE`` a protocol takes instead of a config's ``rewards.N.args.KEY: VALUE``."""
+    needs = preflight(cfg)
+    missing = [n for n in needs if not n.found]
+    if reward_arg_style:
+        for need in missing:
+            need.fix = as_reward_arg(need.fix, need.what)
+    if blocking(needs):
+        raise PreflightError(report(missing) + f"\n({again})")
+    if missing and int(os.environ.get("RANK", "0")) == 0:
+        print(report(missing).replace("preflight:", "preflight: downloading now;", 1))
+
+
+def as_reward_arg(fix: str | None, what: str) -> str | None:
+    """``rewards.N.args.KEY: VALUE`` as ``--reward-arg NAME.KEY=VALUE`` (NAME: the reward the
+    need is of, the first word of ``what``)."""
+    if fix is None:
+        return None
+    import re
+
+    name = what.split()[0]
+    return re.sub(r"rewards\.N\.args\.(\w+): (\S+)", rf"--reward-arg {name}.\1=\2", fix)
+
+
 def blocking(needs: list[Need]) -> list[Need]:
     """The missing needs the run cannot fetch itself (all of them offline)."""
     import huggingface_hub.constants as hub

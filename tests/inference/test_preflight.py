@@ -10,7 +10,7 @@ import json
 import pytest
 
 from diffrl.config import load_config
-from diffrl.training import preflight as PF
+from diffrl.inference import preflight as PF
 
 TOY = ["data.train_prompts=assets/prompts/tiny_train.txt", "data.eval_prompts=assets/prompts/tiny_eval.txt"]
 
