@@ -208,8 +208,10 @@ def test_a_set_not_fetched_names_the_fetch_command(monkeypatch, tmp_path):
         f"prompt set 'geneval/eval' is not fetched in {tmp_path}: run `diffrl-data fetch geneval/eval`"
         in str(err.value)
     )
+    with pytest.raises(PromptFileError, match="did you mean 'geneval/eval'"):
+        load_prompts("geneval/evaluation")  # neither a set nor a file: the nearest set names
     with pytest.raises(PromptFileError, match="or to a prompt set name"):
-        load_prompts("geneval/evaluation")  # neither a set nor a file
+        load_prompts("no_such_prompts.txt")  # nothing near: the formats and the list
 
 
 def test_no_host_at_all_is_one_line(monkeypatch, tmp_path):
