@@ -141,17 +141,23 @@ def _check_inputs(cfg) -> None:
     directory or loading weights: reward names and argument names, the prompt files, and
     each reward's prompt check on them (a caption GenEval cannot read, a prompt OCR has no
     quoted text in)."""
-    from diffrl.data.prompts import check_image_column, load_prompts
+    from diffrl.data.prompts import PromptFileError, check_image_column, load_prompts
     from diffrl.models import adapter_class
     from diffrl.models.lora_files import check_lora_spec
     from rewards.combine import check_prompts_without_weights, check_reward_specs
 
     check_reward_specs(cfg.rewards)
     check_lora_spec(cfg.model.init_lora)
-    paths = [cfg.data.train_prompts] + (
-        [cfg.data.eval_prompts] if cfg.eval.every or cfg.eval.at_start else []
-    )
-    loaded = [(path, load_prompts(path)) for path in paths]  # a bad file fails before models import
+    keys = ["train_prompts"] + (["eval_prompts"] if cfg.eval.every or cfg.eval.at_start else [])
+    loaded, problems = [], []
+    for key in keys:  # both files are read before either is reported: one run names both problems
+        path = getattr(cfg.data, key)
+        try:
+            loaded.append((path, load_prompts(path)))
+        except UserError as err:  # a bad file, a set not fetched, an unknown set
+            problems.append(f"data.{key}: {err}")
+    if problems:  # a bad file fails before models import
+        raise PromptFileError("\n".join(problems))
     edits = adapter_class(cfg.model.family).edits_images
     for path, prompts in loaded:
         check_image_column(prompts, path, cfg.model.family, edits)

@@ -74,3 +74,12 @@ def test_the_closing_lines_name_sample_sheets_only_when_some_were_written(tmp_pa
     (tmp_path / "samples").mkdir()
     (tmp_path / "samples" / "step-2.png").write_bytes(b"png")
     assert "samples:" in closing_lines(tmp_path, None)
+
+
+def test_a_dry_run_names_every_bad_prompt_path_at_once(capsys):
+    """Item 6: a misspelt set name got no suggestion, and only the training set was named."""
+    sets = ["--set", "data.train_prompts=geneval/evl", "--set", "data.eval_prompts=nope.txt"]
+    assert main(["--config", "toy_flowgrpo", *sets, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train_prompts: 'geneval/evl'" in err and "did you mean 'geneval/eval'" in err
+    assert "data.eval_prompts: prompt file 'nope.txt' does not exist" in err
