@@ -91,11 +91,13 @@ def test_dry_run_prints_plan_and_builds_nothing(tmp_path):
         [sys.executable, TRAIN, "--config", "flux_flowgrpo", "--dry-run"], DIFFRL_DATA=str(tmp_path)
     )
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert missing.stderr.strip() == (
-        f"error: prompt set 'pickscore/train' is not fetched in {tmp_path}: run `diffrl-data fetch "
-        "pickscore/train` (with network; --dir DIR or DIFFRL_DATA=DIR for another folder), "
-        "or give a file path"
-    )
+    fetch = "(with network; --dir DIR or DIFFRL_DATA=DIR for another folder), or give a file path"
+    assert missing.stderr.strip().splitlines() == [  # both sets named in one run, each with its key
+        f"error: data.train_prompts: prompt set 'pickscore/train' is not fetched in {tmp_path}: run "
+        f"`diffrl-data fetch pickscore/train` {fetch}",
+        f"data.eval_prompts: prompt set 'pickscore/test' is not fetched in {tmp_path}: run "
+        f"`diffrl-data fetch pickscore/test` {fetch}",
+    ]
     out = _run([sys.executable, TRAIN, "--config", "flux_flowgrpo", "--dry-run", *TOY_PROMPTS])
     assert out.returncode == 0, out.stderr
     for key in ("samples_per_iteration", "rollout_nfe_per_iteration", "optimizer_steps_per_iteration"):
