@@ -1,6 +1,7 @@
 """Shared test helpers."""
 
 import base64
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -186,3 +187,31 @@ def make_wheel(folder: Path, name: str, version: str, module_text: str = "", req
         for member, text in files.items():
             whl.writestr(member, text)
     return path
+
+
+# -- the step-parity oracles (tests/recipes/test_step_parity*.py) -------------------------------
+@contextlib.contextmanager
+def adapters_off(model):
+    """The references' ``with transformer.module.disable_adapter()``: the reference forward
+    of a LoRA policy, as the oracles transcribe it (each call site cites its line)."""
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
+
+
+def rollout_with_rewards(cfg, rewards):
+    """A trainer of ``cfg``, its iteration-0 rollout with the designed ``rewards`` in place
+    of the sampled ones, and a copy of the policy as it sampled (the oracle's start)."""
+    import copy
+
+    import torch
+
+    from diffrl.training.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    r = trainer.rollout_and_score(0)
+    r.total = torch.tensor(rewards)
+    r.components = r.total[:, None]
+    return trainer, r, copy.deepcopy(trainer.adapter.transformer)

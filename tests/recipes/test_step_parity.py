@@ -15,15 +15,14 @@ samples)."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
 
 from diffrl.config import load_config
-from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
+from tests.helpers import adapters_off, rollout_with_rewards
 
 # 2 prompts x 6 samples, micro-batches of 4 (3 optimizer steps of 1 micro-batch), an EMA
 # updated at every step; the rest is sd35_flowgrpo as shipped (CFG 4.5 in training with
@@ -153,7 +152,7 @@ def flow_grpo_iteration(adapter, model, traj, cond, rewards, prompt_ids, cfg, ke
         for j in range(num_train_timesteps):  # lines 855-862
             x, x_next = traj.latents[rows, j], traj.latents[rows, j + 1]
             log_prob, mean, std_dev_t = _compute_log_prob(adapter, model, x, x_next, traj.sigmas, j, c, cfg)
-            with torch.no_grad(), _adapters_off(model):  # lines 866-868
+            with torch.no_grad(), adapters_off(model):  # lines 866-868
                 _, mean_ref, _ = _compute_log_prob(adapter, model, x, x_next, traj.sigmas, j, c, cfg)
             adv = torch.clamp(advantages[rows], -o.adv_clip_max, o.adv_clip_max)  # lines 871-875
             ratio = torch.exp(log_prob - traj.log_probs[rows, j])
@@ -175,30 +174,7 @@ def flow_grpo_iteration(adapter, model, traj, cond, rewards, prompt_ids, cfg, ke
     return {"batches": batches, "losses": losses, "grads": grads, "ema": ema.ema, "params": params}
 
 
-class _adapters_off:
-    """``transformer.module.disable_adapter()`` (line 867): the reference forward."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        self.model.disable_adapters()
-
-    def __exit__(self, *exc):
-        self.model.enable_adapters()
-
-
 # -- diffrl's iteration, recorded -------------------------------------------------------------
-def _rollout(cfg):
-    """The trainer, its iteration-0 rollout with the designed rewards, and the oracle's copy
-    of the policy as it was before any update."""
-    trainer = Trainer(cfg)
-    r = trainer.rollout_and_score(0)
-    r.total = torch.tensor(REWARDS)
-    r.components = r.total[:, None]
-    return trainer, r, copy.deepcopy(trainer.adapter.transformer)
-
-
 def diffrl_iteration(trainer, r):
     """One update of diffrl on rollout ``r``: the passes' rows, losses and the gradient at
     every optimizer step (as the optimizer sees it, after clipping)."""
@@ -230,7 +206,7 @@ def diffrl_iteration(trainer, r):
 
 def _compare(tmp_path, *extra, recipe: str = "sd35_flowgrpo"):
     cfg = _config(tmp_path, *extra, recipe=recipe)
-    trainer, r, oracle_model = _rollout(cfg)
+    trainer, r, oracle_model = rollout_with_rewards(cfg, REWARDS)
     ours = diffrl_iteration(trainer, r)
     rows = [rows for rows, t in ours["rows"] if t == 0]  # each micro-batch's samples, in order
     kept_order = [i for batch in rows for i in batch]
@@ -271,7 +247,7 @@ def test_the_rollout_stores_the_log_probs_flow_grpo_samples_with(tmp_path):
     pipeline_with_logprob computes for that transition with the sampling policy (CFG batch,
     sde_step_with_logprob), so the update's first ratio is flow_grpo's."""
     cfg = _config(tmp_path)
-    trainer, r, oracle_model = _rollout(cfg)
+    trainer, r, oracle_model = rollout_with_rewards(cfg, REWARDS)
     traj = r.traj
     with torch.no_grad():
         for j in range(cfg.sampling.num_steps):
@@ -298,7 +274,7 @@ def test_the_oracle_sees_each_behaviour_broken(tmp_path, broken, what):
         pairs = zip(ours["grads"], theirs["grads"])
         assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in pairs)
         return
-    trainer, r, _ = _rollout(_config(tmp_path, broken))
+    trainer, r, _ = rollout_with_rewards(_config(tmp_path, broken), REWARDS)
     seen = diffrl_iteration(trainer, r)
     trained = {i for batch, t in seen["rows"] if t == 0 for i in batch}
     nonzero = set(torch.where(_advantages(r.total, r.groups.tolist()) != 0)[0].tolist())

@@ -49,8 +49,8 @@ from diffrl.config import load_config
 from diffrl.sampling.tree_spec import TreeSpec
 from diffrl.sampling.windows import step_kinds
 from diffrl.training.passes import PassSettings, edge_major
-from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
+from tests.helpers import rollout_with_rewards
 
 # 2 trees of 4 leaves over 5 steps (splits at 0 and 3, 3 steps apart as the recipe's): per
 # step 4, 4, 4, 8, 8 edges, 28 in all. Micro-batches of 2 edges and 12 edges an optimizer
@@ -313,16 +313,6 @@ def reference_rollout(adapter, model, traj, cond, cfg, behaviour=AS_DIFFRL) -> d
 
 
 # -- diffrl's iteration, recorded -------------------------------------------------------------
-def _rollout(cfg):
-    """The trainer, its iteration-0 rollout with the designed rewards, and a copy of the
-    policy as it sampled."""
-    trainer = Trainer(cfg)
-    r = trainer.rollout_and_score(0)
-    r.total = torch.tensor(REWARDS)
-    r.components = r.total[:, None]
-    return trainer, r, copy.deepcopy(trainer.adapter.transformer)
-
-
 def diffrl_iteration(trainer, r):
     """One update of diffrl on rollout ``r``: its credit, every pass, every pass's loss, and
     per optimizer step the edges it planned, and per applied one the edges it trained, the
@@ -371,7 +361,7 @@ def _oracle(trainer, r, initial, ours, sampled, behaviour=AS_DIFFRL):
 
 def _compare(tmp_path, *extra):
     cfg = _config(tmp_path, *extra)
-    trainer, r, initial = _rollout(cfg)
+    trainer, r, initial = rollout_with_rewards(cfg, REWARDS)
     sampled = reference_rollout(trainer.adapter, initial, r.traj, r.cond, cfg)
     ours = diffrl_iteration(trainer, r)
     return trainer, r, initial, ours, sampled
@@ -409,17 +399,10 @@ def _grads_close(ours, theirs, rtol=1e-5, atol=1e-7) -> bool:
 
 
 # the recorder wraps optimizer.step after the LR scheduler was built, which torch notes
-pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The twin's forwards are tiny: on a shared 2-core machine torch's threads waiting for
-    one another made this file 10-20x slower than one thread. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Seems like `optimizer.step"),
+    pytest.mark.usefixtures("one_thread"),  # tests/recipes/conftest.py
+]
 
 
 @pytest.fixture(scope="module")
@@ -583,7 +566,7 @@ class _Precondition(Exception):
 def test_the_last_partial_optimizer_step_is_applied_unclipped(tmp_path):
     # 28 edges, 12 a step (the recipe's): the reference's last step holds 4; every raw norm is
     # above max_grad_norm 0.01
-    trainer, r, _ = _rollout(_config(tmp_path, "optim.max_grad_norm=0.01"))
+    trainer, r, _ = rollout_with_rewards(_config(tmp_path, "optim.max_grad_norm=0.01"), REWARDS)
     ours = diffrl_iteration(trainer, r)
     edges, raw = sum(len(s) for s in ours["steps"]), ours["norms"][-1]
     if edges % trainer.cfg.tree.edges_per_step == 0 or raw <= trainer.cfg.optim.max_grad_norm:
@@ -612,7 +595,7 @@ def _poisoned(forward, bad: torch.Tensor):
 )
 def test_an_edge_with_a_non_finite_loss_is_skipped_alone(tmp_path):
     cfg = _config(tmp_path)
-    trainer, r, initial = _rollout(cfg)
+    trainer, r, initial = rollout_with_rewards(cfg, REWARDS)
     sampled = reference_rollout(trainer.adapter, initial, r.traj, r.cond, cfg)
     # the one edge out of a node of tree 1 at step 4 (not a split step): its forward is not finite,
     # in diffrl's update and the oracle's alike

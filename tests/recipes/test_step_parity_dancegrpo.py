@@ -37,7 +37,6 @@ of the initial noise, is an ``xfail(strict=True)`` test at the end."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -45,8 +44,8 @@ import torch
 
 from diffrl import recipes
 from diffrl.config import load_config
-from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
+from tests.helpers import rollout_with_rewards
 
 FIXTURE = recipes.load_reference("dancegrpo_flux_hps")
 # the launch script's flags over the script's argparse defaults, with the two of the docstring
@@ -285,16 +284,6 @@ def plan_of(seen) -> tuple[list[int], dict[int, list[int]], list[list[int]]]:
     return order, draws, [per_step[k] for k in sorted(per_step)]
 
 
-def _rollout(cfg):
-    """The trainer, its iteration-0 rollout with the designed rewards, and the oracle's copy
-    of the policy as it was before any update."""
-    trainer = Trainer(cfg)
-    r = trainer.rollout_and_score(0)
-    r.total = torch.tensor(REWARDS)
-    r.components = r.total[:, None]
-    return trainer, r, copy.deepcopy(trainer.adapter.transformer)
-
-
 def _ids(trainer) -> torch.Tensor:
     """The image ids of the packed latent (the twin's VAE factor in place of FLUX's 8, line 324)."""
     factor = trainer.adapter.pipe.vae_scale_factor
@@ -304,7 +293,7 @@ def _ids(trainer) -> torch.Tensor:
 def compare(tmp_path, *extra):
     """diffrl's iteration and the oracle's on the same rollout (the oracle on the values of
     diffrl's timestep draws), and the rollout scored by the reference's sampling forward."""
-    trainer, r, oracle_model = _rollout(_config(tmp_path, *extra))
+    trainer, r, oracle_model = rollout_with_rewards(_config(tmp_path, *extra), REWARDS)
     ids = _ids(trainer)
     replay = sampled_log_probs(oracle_model, r.traj, r.cond, ids)
     ours = diffrl_iteration(trainer, r)
@@ -322,23 +311,16 @@ def expected_losses(ours, theirs) -> torch.Tensor:
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Forwards of one row on a 2-core machine that others share: torch's thread per core
-    made this file 8 times slower; one thread, restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, _one_thread):
+def run(tmp_path_factory, one_thread):
     return compare(tmp_path_factory.mktemp("dancegrpo"))
 
 
 # the recorder wraps optimizer.step after the LR scheduler was built, which torch notes
-pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Seems like `optimizer.step"),
+    pytest.mark.usefixtures("one_thread"),  # tests/recipes/conftest.py
+]
 
 
 def test_the_rollout_is_the_one_dancegrpo_samples(run):

@@ -37,6 +37,7 @@ import torch
 from diffrl.config import load_config
 from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
+from tests.helpers import adapters_off
 
 # 2 prompts x 6 samples in 4 micro-batches of 3, two micro-batches per optimizer step (2
 # optimizer steps, so the second trains against an old policy the first moved away from).
@@ -168,7 +169,7 @@ def _nft_loss(model, old_model, x0, timesteps, noise, c, advantages, cfg):
     with torch.no_grad():
         old_prediction = _transformer(old_model, xt, timesteps, c).detach()  # adapter "old"
     forward_prediction = _transformer(model, xt, timesteps, c)
-    with torch.no_grad(), _adapters_off(model):  # lines 894-905
+    with torch.no_grad(), adapters_off(model):  # lines 894-905
         ref_forward_prediction = _transformer(model, xt, timesteps, c)
     advantages_clip = torch.clamp(advantages, -o.adv_clip_max, o.adv_clip_max)  # float64
     normalized_advantages_clip = (advantages_clip / o.adv_clip_max) / 2.0 + 0.5
@@ -192,19 +193,6 @@ def _nft_loss(model, old_model, x0, timesteps, noise, c, advantages, cfg):
     loss = policy_loss
     kl_div_loss = ((forward_prediction - ref_forward_prediction) ** 2).mean(dim=dims)
     return loss + o.kl_coef * torch.mean(kl_div_loss)
-
-
-class _adapters_off:
-    """``with transformer_ddp.module.disable_adapter()`` (line 897): the reference forward."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        self.model.disable_adapters()
-
-    def __exit__(self, *exc):
-        self.model.enable_adapters()
 
 
 def _trainable(model) -> list[torch.nn.Parameter]:
@@ -373,17 +361,10 @@ def _weights_the_next_rollout_samples_with(trainer) -> list[torch.Tensor]:
 
 
 # the recorder wraps optimizer.step after the LR scheduler was built, which torch notes
-pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: on the shared 2-core machine, threads waiting for a core another
-    process holds slowed these tests tenfold (tests/conftest.py says the same of workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Seems like `optimizer.step"),
+    pytest.mark.usefixtures("one_thread"),  # tests/recipes/conftest.py
+]
 
 
 def test_sd35_diffusionnft_trains_what_diffusionnft_trains_step_by_step(tmp_path):

@@ -49,6 +49,7 @@ from diffrl.config import load_config
 from diffrl.precision.selection import select_subset
 from diffrl.training.trainer import Trainer
 from diffrl.twin import tiny_twin_overrides
+from tests.helpers import adapters_off
 
 # 2 prompts, pools of 8, the 2 best and 2 worst regenerated (group 4); micro-batches of 2,
 # 2 per optimizer step: 2 optimizer steps of 2 x 6 forwards. These are the test's size, kept
@@ -76,7 +77,10 @@ LORA_SCALE = 0.05  # the starting LoRA: its weights are the initial ones plus th
 REFERENCE = Path(__file__).resolve().parents[2] / "configs/recipes/references/sol_rl_sana_pickscore.json"
 
 # the recorder wraps optimizer.step after the LR scheduler was built, which torch notes
-pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Seems like `optimizer.step"),
+    pytest.mark.usefixtures("one_thread"),  # tests/recipes/conftest.py
+]
 
 
 def _config(tmp_path, *extra):
@@ -175,19 +179,6 @@ class _Ema:
                     e.add_(one_minus_decay * (p - e))
 
 
-class _adapters_off:
-    """``transformer_ddp.module.disable_adapter()`` (line 998): the reference forward."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        self.model.disable_adapters()
-
-    def __exit__(self, *exc):
-        self.model.enable_adapters()
-
-
 def _prediction(adapter, model, x, sigma, cond):
     """``transformer(x, sigma, caption, mask=mask)``: the conditional branch alone, as the
     script calls it in training (lines 992-999) and, at guidance 1, in sampling (lines
@@ -219,7 +210,7 @@ def _nft_loss(adapter, model, old, x0, sigma, noise, cond, advantages, ref):
     with torch.no_grad():  # lines 990-993: set_adapter("old")
         old_prediction = _prediction(adapter, old, xt, sigma, cond).detach()
     forward_prediction = _prediction(adapter, model, xt, sigma, cond)
-    with torch.no_grad(), _adapters_off(model):
+    with torch.no_grad(), adapters_off(model):
         ref_forward_prediction = _prediction(adapter, model, xt, sigma, cond)
     advantages_clip = torch.clamp(advantages, -c, c)  # train.adv_mode "all": no further change
     r = torch.clamp((advantages_clip / c) / 2.0 + 0.5, 0, 1)
@@ -545,18 +536,8 @@ def assert_parity(trainer, seen, theirs) -> dict:
     }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: the tiny twin's forwards are too small to share, and two threads
-    on a loaded 2-core machine ran the iteration ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def iteration(tmp_path_factory):
+def iteration(tmp_path_factory, one_thread):
     """Iteration 0 of sana_solrl at the test's size, against the oracle, and the next
     iteration's pool and regeneration."""
     trainer, seen, theirs, diffs = compare(tmp_path_factory.mktemp("sana_solrl"))
