@@ -81,11 +81,25 @@ def pipeline_components(family: str) -> list[str]:
     return names + [c for c in getattr(adapter, "weight_components", ()) if c not in names]
 
 
+# the annotations of a pipeline argument that is a value (Wan2.2's ``boundary_ratio:
+# Optional[float]``), not a component folder
+_VALUE_WORDS = {"bool", "int", "float", "str", "None", "NoneType", "Optional", "Union", "typing"}
+
+
 def _is_plain_value(annotation) -> bool:
-    """A pipeline argument that is a number or a flag (Wan2.2's ``boundary_ratio``), not a
-    component folder."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    return any(word in str(text) for word in ("bool", "float", "int", "str")) and "Tokenizer" not in str(text)
+    """Whether every type an annotation names is a number, a string, a flag or None; a
+    string annotation is read by its words."""
+    import re
+    import typing
+
+    if annotation is inspect.Parameter.empty:
+        return False
+    if isinstance(annotation, str):
+        return set(re.findall(r"[A-Za-z_]\w*", annotation)) <= _VALUE_WORDS
+    args = typing.get_args(annotation)
+    if args:
+        return all(_is_plain_value(a) for a in args)
+    return annotation in (bool, int, float, str, type(None))
 
 
 def model_needs(cfg) -> list[Need]:

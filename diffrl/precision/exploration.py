@@ -91,12 +91,12 @@ def with_lora_deltas(module: nn.Module, detach: bool = False) -> torch.Tensor:
                 continue
             a, b = module.lora_A[name].weight, module.lora_B[name].weight
             a, b = (a.detach(), b.detach()) if detach else (a, b)
-            delta = _lora_product(b.float(), a.float(), module.lora_A[name]) * module.scaling[name]
+            delta = _lora_product(b.float(), a.float()) * module.scaling[name]
             weight = weight + delta.reshape(weight.shape)
     return weight
 
 
-def _lora_product(b: torch.Tensor, a: torch.Tensor, a_layer: nn.Module) -> torch.Tensor:
+def _lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """B @ A of one adapter as the base weight's shape would hold it, before the scale:
     a linear's (out, r) @ (r, in); a 1x1 conv's factors are convs with 1x1 kernels, the
     product taken over their channels (peft's ``get_delta_weight`` for kernel size 1)."""

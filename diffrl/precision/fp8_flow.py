@@ -289,10 +289,10 @@ class Fp8Flow:
             return
         with torch.no_grad():
             for module in self._layers:
-                weight = effective_weight(module)
-                if isinstance(weight, DTensor):  # FSDP: a shard here, whole only in the forward
+                base = module.base_layer if _is_lora_layer(module) else module
+                if isinstance(base.weight, DTensor):  # FSDP: a shard here, whole only in the forward
                     continue
-                module._fp8_weight_cast = self.gemm.cast_weight(weight)
+                module._fp8_weight_cast = self.gemm.cast_weight(effective_weight(module))
                 self.weight_casts += 1
 
     def _drop_weight_casts(self) -> None:
