@@ -6,6 +6,7 @@ check names every kind of problem it exists to catch."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from packaging.utils import canonicalize_name
@@ -122,7 +123,43 @@ def test_the_carry_limit_counts_the_tracked_tree_too(wh):
     wheels = [{"bytes": 20 * 2**20}]
     assert wh.size_problems(wheels, 40 * 2**20)[0] == []
     problems, line = wh.size_problems(wheels, 45 * 2**20)
-    assert problems == [f"too large to carry: {line}"] and "wheels 20.0 MiB + tracked tree 45.0 MiB" in line
+    assert len(problems) == 1 and problems[0].startswith(f"too large to carry: {line}")
+    assert "wheels 20.0 MiB + tracked tree 45.0 MiB" in line
+    assert "tools/device_slim.sh hide" in problems[0]  # the fix, named
+
+
+def test_device_slim_hides_the_toy_bases_from_the_index_and_restores_them(tmp_path):
+    """The script untracks the four toy bases in the index only (files stay on disk, git
+    ignores them, so a device call does not carry them) and puts both back."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(root / "tools" / "device_slim.sh", repo / "tools")
+    bases = ["toy_model", "toy_model_late", "toy_model_capable", "toy_video_model", "toy_video_model_capable"]
+    for base in bases:
+        (repo / "assets" / base).mkdir(parents=True)
+        (repo / "assets" / base / "w.bin").write_bytes(b"x")
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    before = git("ls-files")
+    subprocess.run(["bash", "tools/device_slim.sh", "hide"], cwd=repo, check=True, capture_output=True)
+    hidden = set(before.split()) - set(git("ls-files").split())
+    assert hidden == {f"assets/{b}/w.bin" for b in bases[1:]}  # the first base travels
+    status = git("status", "--porcelain", "--untracked-files=all").splitlines()
+    # staged as deleted, and not untracked-but-visible (which a device call would carry)
+    assert sorted(status) == sorted(f"D  assets/{b}/w.bin" for b in bases[1:])
+    assert all((repo / "assets" / b / "w.bin").exists() for b in bases)
+    subprocess.run(["bash", "tools/device_slim.sh", "restore"], cwd=repo, check=True, capture_output=True)
+    assert git("ls-files") == before and git("status", "--porcelain") == ""
+    assert "/assets/" not in (repo / ".git" / "info" / "exclude").read_text()
 
 
 def test_a_pin_outside_a_set_is_refused(wh, tmp_path):
