@@ -141,14 +141,14 @@ def _check_inputs(cfg) -> None:
     directory or loading weights: reward names and argument names, the prompt files, and
     each reward's prompt check on them (a caption GenEval cannot read, a prompt OCR has no
     quoted text in)."""
-    from diffrl.data.prompts import PromptFileError, check_image_column, load_prompts
+    from diffrl.data.prompts import PromptFileError, check_image_column, holdout_split, load_prompts, prompt_keys
     from diffrl.models import adapter_class
     from diffrl.models.lora_files import check_lora_spec
     from rewards.combine import check_prompts_without_weights, check_reward_specs
 
     check_reward_specs(cfg.rewards)
     check_lora_spec(cfg.model.init_lora)
-    keys = ["train_prompts"] + (["eval_prompts"] if cfg.eval.every or cfg.eval.at_start else [])
+    keys = prompt_keys(cfg)
     loaded, problems = [], []
     for key in keys:  # both files are read before either is reported: one run names both problems
         path = getattr(cfg.data, key)
@@ -158,6 +158,8 @@ def _check_inputs(cfg) -> None:
             problems.append(f"data.{key}: {err}")
     if problems:  # a bad file fails before models import
         raise PromptFileError("\n".join(problems))
+    if cfg.data.eval_holdout:  # enough prompts left to train on, checked before models load
+        holdout_split(loaded[0][1], cfg.data.eval_holdout, loaded[0][0])
     edits = adapter_class(cfg.model.family).edits_images
     for path, prompts in loaded:
         check_image_column(prompts, path, cfg.model.family, edits)

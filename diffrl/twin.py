@@ -59,7 +59,8 @@ def _prompt_files(family: str) -> list[str]:
         train, held = "assets/shapeworld/edit/train.jsonl", "assets/shapeworld/edit/heldout.jsonl"
     else:
         train, held = "assets/prompts/tiny_train.txt", "assets/prompts/tiny_eval.txt"
-    return [f"data.train_prompts={train}", f"data.eval_prompts={held}"]
+    # the tiny files are split already: a holdout of the training file would empty it
+    return [f"data.train_prompts={train}", f"data.eval_prompts={held}", "data.eval_holdout=0"]
 
 
 def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:

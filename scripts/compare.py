@@ -53,7 +53,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     from diffrl.config import load_config
-    from diffrl.data.prompts import load_prompts
+    from diffrl.data.prompts import holdout_split, load_prompts
     from diffrl.evaluation.compare import CompareError, parse_checkpoints, run_comparison, with_rlg_scales
     from diffrl.evaluation.compare_report import grid_pages, write_html, write_jsonl
     from diffrl.inference.session import Session
@@ -69,8 +69,13 @@ def main(argv=None) -> dict:
     except ValueError:
         raise CompareError(f"--rlg-scales must be comma-separated numbers, got '{args.rlg_scales}'") from None
     columns = with_rlg_scales(parse_checkpoints(args.checkpoint), scales)
-    source = args.prompts or cfg.data.eval_prompts
-    prompts = load_prompts(source)[: args.num_prompts]  # a bad file fails before any model is built
+    if args.prompts or not cfg.data.eval_holdout:
+        source = args.prompts or cfg.data.eval_prompts
+        prompts = load_prompts(source)
+    else:  # the evaluation prompts the config holds out of its training file
+        source = cfg.data.train_prompts
+        prompts = holdout_split(load_prompts(source), cfg.data.eval_holdout, source)[1]
+    prompts = prompts[: args.num_prompts]  # a bad file fails before any model is built
     session = Session(cfg)
     session.check_prompts(prompts, source)
     steps = args.steps or cfg.sampling.eval_num_steps or cfg.sampling.num_steps

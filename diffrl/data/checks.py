@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffrl.data.prompts import PROJECT_ROOT, resolve_prompt_path
+from diffrl.data.prompts import PROJECT_ROOT, prompt_keys, resolve_prompt_path
 from diffrl.data.registry import is_set_name
 from diffrl.schema import ConfigError
 
@@ -28,7 +28,7 @@ def check_data(cfg) -> None:
     config says so (``data.allow_toy_prompts``)."""
     if cfg.data.allow_toy_prompts or not is_real_model(cfg.model.pretrained):
         return
-    for key in ("train_prompts", "eval_prompts"):
+    for key in prompt_keys(cfg):
         value = getattr(cfg.data, key)
         if is_set_name(value):
             continue

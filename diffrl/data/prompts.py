@@ -217,3 +217,23 @@ def check_image_column(prompts: list[str], path, family: str, edits_images: bool
             "only and would ignore them; use an editing family (flux_kontext, qwenimage_edit) or a "
             "file without 'image'"
         )
+
+
+def holdout_split(prompts: list, count: int, source) -> tuple[list, list]:
+    """(training, held-out): ``count`` prompts evenly spaced through ``prompts`` (the same
+    positions as :func:`spaced_subset`) held out of training for evaluation
+    (``data.eval_holdout``). Refused when nothing would be left to train on."""
+    if count >= len(prompts):
+        raise PromptFileError(
+            f"data.eval_holdout is {count} but data.train_prompts '{source}' holds {len(prompts)} prompts: "
+            f"hold out fewer than {len(prompts)}, or set data.eval_prompts and data.eval_holdout=0"
+        )
+    held = {(i * len(prompts)) // count for i in range(count)}
+    return [p for i, p in enumerate(prompts) if i not in held], [prompts[i] for i in sorted(held)]
+
+
+def prompt_keys(cfg) -> list[str]:
+    """The ``data`` keys whose prompt files a run reads: the training file, and the
+    evaluation file when the run evaluates and does not hold its prompts out of training."""
+    evaluates = bool(cfg.eval.every or cfg.eval.at_start)
+    return ["train_prompts"] + (["eval_prompts"] if evaluates and not cfg.data.eval_holdout else [])

@@ -92,9 +92,15 @@ def protocol_config(request: ProtocolRun):
         cfg = load_config(str(find_checkpoint(request.checkpoint) / "config.yaml"), list(request.overrides))
     else:
         raise ConfigError("--protocol with --checkpoint base needs --config (the model to score)")
+    if not (request.prompts or protocol.prompts) and cfg.data.eval_holdout:
+        raise ConfigError(
+            f"protocol '{protocol.name}' scores the config's evaluation file, but this config holds its "
+            f"{cfg.data.eval_holdout} evaluation prompts out of data.train_prompts (data.eval_holdout): "
+            "name the prompts with --prompts FILE_OR_SET"
+        )
     source = request.prompts or protocol.prompts or cfg.data.eval_prompts
     rewards = [RewardSpec(**spec) for spec in reward_specs(protocol, request.rewards, request.reward_args)]
-    data = dataclasses.replace(cfg.data, train_prompts=source, eval_prompts=source)
+    data = dataclasses.replace(cfg.data, train_prompts=source, eval_prompts=source, eval_holdout=0)
     return dataclasses.replace(cfg, rewards=rewards, data=data)
 
 

@@ -110,9 +110,11 @@ def model_needs(cfg) -> list[Need]:
         return []
     components = pipeline_components(m.family)
     what = f"model {m.pretrained} ({m.family})"
-    if Path(m.pretrained).expanduser().exists() or os.path.isabs(m.pretrained):
-        return [Need(what, path=str(Path(m.pretrained).expanduser()), components=components)]
     includes = ["model_index.json", *[f"{c}/*" for c in components]]
+    if Path(m.pretrained).expanduser().exists() or os.path.isabs(m.pretrained):
+        return [
+            Need(what, path=str(Path(m.pretrained).expanduser()), includes=includes, components=components)
+        ]
     return [Need(what, repo=m.pretrained, revision=m.revision, includes=includes, components=components)]
 
 
@@ -121,7 +123,8 @@ def prompt_needs(cfg) -> list[Need]:
     from diffrl.data.prompts import resolve_prompt_path
 
     needs = []
-    for key in ("train_prompts", "eval_prompts"):
+    # an evaluation on prompts held out of the training file reads no evaluation file
+    for key in ("train_prompts",) if cfg.data.eval_holdout else ("train_prompts", "eval_prompts"):
         value = getattr(cfg.data, key)
         if is_set_name(value):
             needs.append(
@@ -286,11 +289,26 @@ def command(need: Need) -> str:
     if need.url is not None:
         return f"start the server that answers {need.url}, or fix its address in the config"
     if need.components:
+        return _local_model_command(need)
+    return "put the file there, or point the config at it"
+
+
+def _local_model_command(need: Need) -> str:
+    """A missing local diffusers folder: the download of the family's published checkpoint
+    into exactly that folder (the others of the family named), or, for a family no shipped
+    architecture lists, what the folder must hold."""
+    from diffrl.models.arch import family_hub_ids
+
+    family = need.what.rsplit("(", 1)[-1].rstrip(")")
+    hub_ids = family_hub_ids(family)
+    if not hub_ids:
         return (
             f"a diffusers folder with model_index.json and {', '.join(need.components)}: "
-            "`hf download REPO --include ... --local-dir DIR`, then model.pretrained: DIR"
+            f"`hf download REPO --include ... --local-dir {need.path}`"
         )
-    return "put the file there, or point the config at it"
+    patterns = " ".join(f'"{p}"' for p in need.includes)
+    others = f" (or {', '.join(hub_ids[1:])})" if len(hub_ids) > 1 else ""
+    return f"hf download {hub_ids[0]} --include {patterns} --local-dir {need.path}{others}"
 
 
 def hub_details(need: Need) -> None:

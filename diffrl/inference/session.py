@@ -17,7 +17,7 @@ import datetime
 import functools
 from pathlib import Path
 
-from diffrl.data.prompts import check_image_column, load_prompts, spaced_subset
+from diffrl.data.prompts import check_image_column, holdout_split, load_prompts, spaced_subset
 from diffrl.inference.checkpoints import CheckpointError, settings_differences
 from diffrl.inference.weights import holds_weights, load_weights, saved_ema_decay
 from diffrl.models import adapter_class, build_adapter
@@ -68,21 +68,32 @@ class Session:
         return getattr(self.cfg.data, f"{name}_prompts")
 
     @functools.cached_property
+    def _train_file_split(self) -> tuple[list[str], list[str]]:
+        """The training file's prompts as (trained on, held out by ``data.eval_holdout``)."""
+        data = self.cfg.data
+        prompts = self.read_prompts(data.train_prompts)
+        return holdout_split(prompts, data.eval_holdout, data.train_prompts) if data.eval_holdout else (prompts, [])
+
+    @functools.cached_property
     def train_prompts(self) -> list[str]:
-        return self.read_prompts(self.cfg.data.train_prompts)
+        return self._train_file_split[0]
 
     @functools.cached_property
     def eval_prompts(self) -> list[str]:
-        """The held-out prompts an evaluation scores: ``eval.num_prompts`` of the file, its
-        first ones or evenly spaced (``eval.subset``); asking for more than the file holds
-        scores them all, and says so once."""
+        """The held-out prompts an evaluation scores: ``eval.num_prompts`` of the file (or of
+        the prompts ``data.eval_holdout`` keeps out of training), its first ones or evenly
+        spaced (``eval.subset``); asking for more than there are scores them all, and says
+        so once."""
         cfg = self.cfg
-        prompts = self.read_prompts(cfg.data.eval_prompts)
+        if cfg.data.eval_holdout:
+            prompts, source = self._train_file_split[1], f"the {cfg.data.eval_holdout} held out by data.eval_holdout"
+        else:
+            prompts = self.read_prompts(cfg.data.eval_prompts)
+            source = f"data.eval_prompts '{cfg.data.eval_prompts}' holds {len(prompts)}"
         wanted = cfg.eval.num_prompts
         if wanted > len(prompts):
             self.acc.print(
-                f"warning: eval.num_prompts is {wanted} but data.eval_prompts '{cfg.data.eval_prompts}' "
-                f"holds {len(prompts)}: every evaluation scores all {len(prompts)}"
+                f"warning: eval.num_prompts is {wanted} but {source}: every evaluation scores all {len(prompts)}"
             )
         return spaced_subset(prompts, wanted) if cfg.eval.subset == "spaced" else prompts
 

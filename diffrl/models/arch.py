@@ -111,6 +111,13 @@ def arch_for(pretrained: str) -> Arch | None:
     return None
 
 
+def family_hub_ids(family: str) -> list[str]:
+    """The published checkpoints of ``family`` that the shipped architectures list (the
+    hub ids a missing local folder can be downloaded from), in file order."""
+    archs = [load_arch(name) for name in available_archs()]
+    return [hub_id for arch in archs if arch.family == family for hub_id in arch.hub_ids]
+
+
 def _widened(encoder: torch.nn.Module, overrides: dict) -> torch.nn.Module:
     """The same text-encoder class with some config fields replaced (built on meta)."""
     config = type(encoder.config)(**{**encoder.config.to_dict(), **overrides})

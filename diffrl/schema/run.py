@@ -19,6 +19,13 @@ class DataConfig:
     eval_prompts: str = _f(
         "assets/prompts/tiny_eval.txt", "Held-out prompts for evaluation: a set name or a file."
     )
+    eval_holdout: int = _f(
+        0,
+        "Hold this many prompts, evenly spaced, out of data.train_prompts: training never samples them "
+        "and evaluations score them (data.eval_prompts is then not read). For prompt sets with no "
+        "held-out split, such as DanceGRPO's video prompts; 0: evaluate on data.eval_prompts.",
+        valid=">= 0",
+    )
     allow_toy_prompts: bool = _f(
         False,
         "Let a real model (not a tiny twin, the ShapeWorld toys or random:<arch>) train or evaluate on "

@@ -163,7 +163,8 @@ def test_each_thing_is_listed_once_and_videoalign_s_base_and_template_are_listed
     pinned template) was not listed; Wan's number arguments were called folders."""
     monkeypatch.setenv("DIFFRL_DATA", str(tmp_path / "data"))
     rewards = "rewards=[{name: videoalign}, {name: pickscore}, {name: pickscore, weight: 0.5}]"
-    cfg = load_config("wan_videoalign", [rewards])
+    same_set = ["data.eval_prompts=dancegrpo/video", "data.eval_holdout=0"]  # one set for both
+    cfg = load_config("wan_videoalign", [rewards, *same_set])
     needs = PF.gather(cfg)
     sets = [n for n in needs if n.prompt_set == "dancegrpo/video"]
     assert len(sets) == 1 and "data.train_prompts" in sets[0].what and "data.eval_prompts" in sets[0].what
@@ -175,3 +176,18 @@ def test_each_thing_is_listed_once_and_videoalign_s_base_and_template_are_listed
     assert template.download_url.endswith("/prompt_template.py") and template.path.endswith(".py")
     assert len({PF.command(n) for n in needs}) == len(needs)  # no line twice
     assert "boundary_ratio" not in PF.pipeline_components("wan22")
+
+
+def test_a_missing_local_model_folder_gets_the_family_s_download_into_that_folder(tmp_path):
+    """Issue 62, item 4: a local model path used to get a generic `hf download REPO --include
+    ... --local-dir DIR`; now the family's published checkpoint, the exact folders the
+    pipeline loads and the configured folder, with the family's other checkpoints named."""
+    folder = tmp_path / "models" / "flux-dev"
+    (need,) = PF.model_needs(load_config("flux_flowgrpo", [f"model.pretrained={folder}"]))
+    text = PF.command(need)
+    assert text.startswith("hf download black-forest-labs/FLUX.1-dev --include ") and "REPO" not in text
+    assert text.endswith(f"--local-dir {folder}")
+    for component in PF.pipeline_components("flux"):
+        assert f'"{component}/*"' in text
+    (sd3,) = PF.model_needs(load_config("sd35_flowgrpo", [f"model.pretrained={tmp_path / 'sd35'}"]))
+    assert "stable-diffusion-3.5-large" in PF.command(sd3) and "stable-diffusion-3.5-medium" in PF.command(sd3)

@@ -48,3 +48,57 @@ def test_a_session_builds_no_optimizer_and_trains_nothing(tmp_path):
 def test_a_bad_prompt_set_name_is_refused(tmp_path):
     with pytest.raises(ValueError, match="prompt sets"):
         Session(quick_config("tiny_toy_flowgrpo", tmp_path), prompts=("held_out",))
+
+
+def test_an_evaluation_holdout_never_trains_on_what_it_scores(tmp_path):
+    """data.eval_holdout (issue 62, item 11: the Wan configs evaluated on their training
+    file): the held-out prompts are evenly spaced through the training file, disjoint from
+    the prompts trained on, and together they are the file, in order."""
+    prompts = [f"a video of scene {i}" for i in range(50)]
+    (tmp_path / "train.txt").write_text("\n".join(prompts) + "\n")
+    cfg = quick_config(
+        "tiny_flux_flowgrpo",
+        tmp_path,
+        f"data.train_prompts={tmp_path / 'train.txt'}",
+        "data.eval_prompts=does/not/exist.txt",
+        "data.eval_holdout=5",
+        "eval.every=1",
+        "eval.num_prompts=5",
+    )
+    session = Session(cfg, prompts=("train", "eval"))  # the evaluation file is never read
+    assert session.eval_prompts == [prompts[i] for i in (0, 10, 20, 30, 40)]
+    assert not set(session.eval_prompts) & set(session.train_prompts)
+    assert sorted(session.train_prompts + session.eval_prompts, key=prompts.index) == prompts
+    assert len(session.train_prompts) == 45
+
+
+def test_a_holdout_as_large_as_the_training_file_is_refused_before_models_load(tmp_path):
+    from diffrl.cli import _check_inputs
+    from diffrl.data.prompts import PromptFileError
+
+    (tmp_path / "train.txt").write_text("one\ntwo\nthree\n")
+    cfg = quick_config(
+        "tiny_flux_flowgrpo",
+        tmp_path,
+        f"data.train_prompts={tmp_path / 'train.txt'}",
+        "data.eval_holdout=3",
+        "eval.every=1",
+    )
+    with pytest.raises(
+        PromptFileError, match="data.eval_holdout is 3 but data.train_prompts .* holds 3 prompts"
+    ):
+        _check_inputs(cfg)
+
+
+def test_the_wan_configs_hold_their_evaluation_out_of_training():
+    """The shipped video configs evaluate on prompts they never train on, and their
+    preflight does not ask for an evaluation file they do not read."""
+    from diffrl.config import load_config
+    from diffrl.data.prompts import prompt_keys
+    from diffrl.inference.preflight import prompt_needs
+
+    for name in ("wan22_flowgrpo", "wan_branchgrpo", "wan_videoalign"):
+        cfg = load_config(name)
+        assert cfg.data.eval_holdout == cfg.eval.num_prompts == 16, name
+        assert prompt_keys(cfg) == ["train_prompts"]
+        assert [n.what for n in prompt_needs(cfg)] == ["prompt set dancegrpo/video (data.train_prompts)"]
