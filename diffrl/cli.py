@@ -141,7 +141,13 @@ def _check_inputs(cfg) -> None:
     directory or loading weights: reward names and argument names, the prompt files, and
     each reward's prompt check on them (a caption GenEval cannot read, a prompt OCR has no
     quoted text in)."""
-    from diffrl.data.prompts import PromptFileError, check_image_column, holdout_split, load_prompts, prompt_keys
+    from diffrl.data.prompts import (
+        PromptFileError,
+        check_image_column,
+        holdout_split,
+        load_prompts,
+        prompt_keys,
+    )
     from diffrl.models import adapter_class
     from diffrl.models.lora_files import check_lora_spec
     from rewards.combine import check_prompts_without_weights, check_reward_specs

@@ -19,6 +19,46 @@ def check_objective(cfg) -> None:
     _check_tree_anchor(cfg, objective)
     _check_forward_window(cfg, objective)
     _check_drop_zero(cfg, objective)
+    _check_prompt_history(cfg)
+    _check_consistency(cfg)
+
+
+def _check_prompt_history(cfg) -> None:
+    """DDPO's per-prompt statistics key each sample by its prompt: independent rollouts, the
+    whole iteration's samples (not a tree's nodes, not Sol-RL's regenerated subset)."""
+    if cfg.advantage.estimator != "prompt_history":
+        return
+    if cfg.rollout.strategy != "independent" or cfg.solrl.enabled:
+        raise ConfigError(
+            "advantage.estimator prompt_history normalises every sample of an iteration by its prompt's "
+            "history: it needs rollout.strategy independent and solrl.enabled false"
+        )
+
+
+def _check_consistency(cfg) -> None:
+    """RLCM is defined on consistency sampling's MDP, where its log-probs are exact."""
+    if cfg.objective.name == "rlcm" and cfg.sampling.sde_type != "consistency":
+        raise ConfigError(
+            "objective rlcm trains on multistep consistency sampling: set sampling.sde_type consistency "
+            "(or choose objective flow_grpo for the SDE samplers)"
+        )
+    if cfg.objective.name == "rlcm" and cfg.objective.kl_coef > 0:
+        raise ConfigError("objective rlcm has no KL term (RLCM trains without one): set objective.kl_coef 0")
+    last = cfg.sampling.num_steps - 1
+    if (
+        cfg.sampling.sde_type == "consistency"
+        and cfg.rollout.strategy == "tree"
+        and last in cfg.tree.split_steps
+    ):
+        raise ConfigError(
+            f"with sampling.sde_type consistency the last step ({last}) returns the predicted clean "
+            "sample without noise: no tree split may be there"
+        )
+    if cfg.sampling.sde_type == "consistency" and cfg.sampling.num_steps < 2:
+        raise ConfigError(
+            "sampling.sde_type consistency with one step has no stochastic transition to train: set "
+            "sampling.num_steps to 2 or more"
+        )
 
 
 def _check_drop_zero(cfg, objective) -> None:

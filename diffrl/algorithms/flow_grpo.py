@@ -120,3 +120,18 @@ def flow_grpo_loss(
 
 FLOW_GRPO = Objective("flow_grpo", flow_grpo_loss, trains_on="transitions")
 register_objective(FLOW_GRPO)
+
+
+def rlcm_loss(ctx: LossContext, batch: StepBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RLCM (Oertell et al. 2024, "RL for Consistency Models", Sec. 4, Alg. 1): PPO's
+    clipped ratio on the transitions of multistep consistency sampling, with no KL term
+    (Owen-Oertell/rlcm ``core/ppo_training_loop.py``: ``-advantages * ratio`` against the
+    clipped ratio, advantages clamped to +-adv_clip_max, ``torch.maximum``, the mean). The
+    loss is flow-GRPO's without its KL; what makes it RLCM is the MDP (``sampling.sde_type:
+    consistency``, checked at load) and DDPO's per-prompt advantages
+    (``advantage.estimator: prompt_history``), which ``configs/toy_rlcm.yaml`` and the
+    few-step configs set."""
+    return flow_grpo_loss(ctx, batch)  # objective.kl_coef is 0 (checked at load)
+
+
+register_objective(Objective("rlcm", rlcm_loss, trains_on="transitions"))

@@ -3,11 +3,12 @@
 samples go through :func:`generate_and_score`.
 
 Each sample is a prompt, a seed and the noise key ``(tag, prompt index, seed)``
-(:func:`plan_samples`), sampled with the deterministic ODE sampler, so the same key gives
-the same image in any of them, whatever else is sampled beside it. The work is cut into
-chunks of ``rollout.batch_size`` in plan order and dealt to the processes in turn
-(chunk i to process i mod N), each process encoding its prompts, sampling, decoding and
-scoring its chunks under the run's autocast and evaluation guidance; the chunk count is
+(:func:`plan_samples`), sampled with the deterministic ODE sampler (a few-step model under
+``sampling.sde_type: consistency`` with consistency sampling, its noise drawn from the
+same key), so the same key gives the same image in any of them, whatever else is sampled
+beside it. The work is cut into chunks of ``rollout.batch_size`` in plan order and dealt
+to the processes in turn (chunk i to process i mod N), each process encoding its prompts,
+sampling, decoding and scoring its chunks under the run's autocast and evaluation guidance; the chunk count is
 padded to a multiple of N (the padding chunks are sampled and dropped) so that every
 process runs the same forwards, as FSDP's sharded forwards require. Every process gets
 every sample's scores back, in plan order.
@@ -142,7 +143,13 @@ def _sample(session, model, cond, chunk: list[Sample], s: GenerationSettings) ->
     keys = [x.key for x in chunk]
     with torch.no_grad(), adapter.guidance_scale_as(s.guidance_scale), acc.autocast():
         traj = rollout_independent(
-            adapter, model, cond, keys, s.sampler, num_steps=s.num_steps, kinds=["ode"] * s.num_steps
+            adapter,
+            model,
+            cond,
+            keys,
+            s.sampler,
+            num_steps=s.num_steps,
+            kinds=s.sampler.evaluation_kinds(s.num_steps),
         )
     return traj.images
 

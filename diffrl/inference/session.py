@@ -72,7 +72,11 @@ class Session:
         """The training file's prompts as (trained on, held out by ``data.eval_holdout``)."""
         data = self.cfg.data
         prompts = self.read_prompts(data.train_prompts)
-        return holdout_split(prompts, data.eval_holdout, data.train_prompts) if data.eval_holdout else (prompts, [])
+        return (
+            holdout_split(prompts, data.eval_holdout, data.train_prompts)
+            if data.eval_holdout
+            else (prompts, [])
+        )
 
     @functools.cached_property
     def train_prompts(self) -> list[str]:
@@ -86,15 +90,17 @@ class Session:
         so once."""
         cfg = self.cfg
         if cfg.data.eval_holdout:
-            prompts, source = self._train_file_split[1], f"the {cfg.data.eval_holdout} held out by data.eval_holdout"
+            prompts, source = (
+                self._train_file_split[1],
+                f"the {cfg.data.eval_holdout} held out by data.eval_holdout",
+            )
         else:
             prompts = self.read_prompts(cfg.data.eval_prompts)
             source = f"data.eval_prompts '{cfg.data.eval_prompts}' holds {len(prompts)}"
         wanted = cfg.eval.num_prompts
         if wanted > len(prompts):
-            self.acc.print(
-                f"warning: eval.num_prompts is {wanted} but {source}: every evaluation scores all {len(prompts)}"
-            )
+            every = f"every evaluation scores all {len(prompts)}"
+            self.acc.print(f"warning: eval.num_prompts is {wanted} but {source}: {every}")
         return spaced_subset(prompts, wanted) if cfg.eval.subset == "spaced" else prompts
 
     @functools.cached_property

@@ -81,7 +81,9 @@ def _check_tree(cfg) -> None:
             f"set {key} to the product of tree.branch_factors"
         )
     if cfg.sampling.sde_type == "ode":
-        raise ConfigError("tree splits need a stochastic step: set sampling.sde_type to sde, cps or dance")
+        raise ConfigError(
+            "tree splits need a stochastic step: set sampling.sde_type to sde, cps, dance or consistency"
+        )
     if tree.shared_root_noise < 1:
         raise ConfigError(
             f"tree.shared_root_noise must be >= 1 (1: every tree its own), got {tree.shared_root_noise}"

@@ -12,6 +12,16 @@ in fp32. Four step rules:
   mean = x0_hat (1 - sigma_next) + x1_hat sqrt(sigma_next^2 - std^2).
 * ``dance`` — DanceGRPO: constant eta, std = eta sqrt(-dt);
   mean = x + dt (v - eta^2 / 2 * score), score = -(x - (1 - sigma) x0_hat) / sigma^2.
+* ``consistency`` — multistep consistency sampling (Song et al. 2023, "Consistency
+  Models", Algorithm 1; the MDP of RLCM, Oertell et al. 2024, Sec. 4): predict the clean
+  sample x0_hat = x - sigma v, then re-noise it to the next level with fresh noise,
+  x' = (1 - sigma_next) x0_hat + sigma_next eps: mean = (1 - sigma_next) x0_hat,
+  std = sigma_next (the noise level does not enter). The flow-matching form of RLCM's
+  LCM step (Owen-Oertell/rlcm, ``diffusers_patch/lcm_scheduler.py``: x' = sqrt(abar')
+  denoised + sqrt(1 - abar') z), and cps at a = 1. The last step (sigma_next = 0) returns
+  x0_hat itself, deterministic and untrained; RLCM's code re-noises after it too, to the
+  last level, and trains on that draw, which the decoded image does not depend on (its
+  gradient is zero in expectation): that transition is not taken here.
 * ``ode`` — Euler: x' = x + v dt (deterministic, not trainable).
 
 Log-prob reduction: the per-element Gaussian log-density is reduced over all non-batch
@@ -40,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-STEP_KINDS = ("sde", "cps", "dance", "ode")
+STEP_KINDS = ("sde", "cps", "dance", "consistency", "ode")
 LOGPROB_REDUCTIONS = ("mean", "sum", "flow_grpo")
 
 
@@ -97,6 +107,9 @@ def step_mean_std(
         coef = torch.sqrt(torch.clamp(s_next**2 - std**2, min=0.0))
         mean = x0 * _bcast(1 - s_next, x) + x1 * _bcast(coef, x)
         return mean, std, std
+    if kind == "consistency":
+        x0 = x - sb * v
+        return x0 * _bcast(1 - s_next, x), s_next.clone(), s_next.clone()
     if kind == "dance":
         x0 = x - sb * v
         score = -(x - (1 - sb) * x0) / sb**2

@@ -23,6 +23,16 @@ class SamplerSettings:
     seed: int = 0  # the run's seed (a randomly placed SDE window is drawn from it and the iteration)
     same_noise: bool = False  # rollout.same_noise: a group's samples share their initial noise
 
+    def evaluation_kinds(self, num_steps: int) -> list[str]:
+        """The step rule of every evaluation step: Euler, except for a few-step model
+        trained with ``sde_type: consistency``, which is sampled as it is trained and as
+        consistency models generate (re-noised with each seed's keyed noise, so an
+        evaluation is still a fixed function of its seeds)."""
+        from diffrl.sampling.windows import last_step_deterministic
+
+        kind = "consistency" if self.sampling.sde_type == "consistency" else "ode"
+        return last_step_deterministic([kind] * num_steps)
+
     def for_evaluation(self) -> SamplerSettings:
         """What evaluations sample with: one initial noise per seed (never shared in a
         group) and Euler steps (DiffusionNFT evaluates with its "flow" solver, Euler,

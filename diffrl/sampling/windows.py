@@ -52,4 +52,14 @@ def step_kinds(sampling_cfg, num_steps: int, iteration: int = 0, always_sde=(), 
     ``always_sde``, e.g. tree splits, which need noise to branch), the ODE elsewhere."""
     start, end = sde_window_at(sampling_cfg, num_steps, iteration, seed)
     sde = sampling_cfg.sde_type
-    return [sde if start <= t < end or t in always_sde else "ode" for t in range(num_steps)]
+    kinds = [sde if start <= t < end or t in always_sde else "ode" for t in range(num_steps)]
+    return last_step_deterministic(kinds)
+
+
+def last_step_deterministic(kinds: list[str]) -> list[str]:
+    """Consistency sampling's last step lands on sigma 0 and returns the predicted clean
+    sample, x - sigma v, which is the Euler step there: it is marked ``ode`` (no noise, no
+    log-prob, not trained), so plans and trainable steps count it as what it is."""
+    if kinds and kinds[-1] == "consistency":
+        return [*kinds[:-1], "ode"]
+    return kinds

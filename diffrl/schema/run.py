@@ -51,8 +51,22 @@ class RewardSpec:
 
 @dataclass
 class AdvantageConfig:
-    estimator: Literal["group", "global_std", "median", "decoupled"] = _f(
-        "group", "group mean/std, group mean with global std, median-centred (MC-GRPO), or per-reward (GDPO)."
+    estimator: Literal["group", "global_std", "median", "decoupled", "prompt_history"] = _f(
+        "group",
+        "group mean/std, group mean with global std, median-centred (MC-GRPO), per-reward (GDPO), or each "
+        "prompt's rewards over this and earlier iterations (DDPO's and RLCM's per-prompt stat tracking; "
+        "independent rollouts).",
+    )
+    history_size: int = _f(
+        32,
+        "prompt_history: the last N rewards of each prompt kept (RLCM: stat_buffer_size 32).",
+        valid=">= 1",
+    )
+    history_min_count: int = _f(
+        16,
+        "prompt_history: below this many rewards a prompt is normalised by the whole batch (RLCM: "
+        "stat_min_count 16).",
+        valid=">= 1",
     )
     eps: float = _f(1e-4, "Added to the std before dividing (DanceGRPO / BranchGRPO: 1e-8).", valid=">= 0")
     std: Literal["population", "sample"] = _f(

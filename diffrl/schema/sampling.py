@@ -11,12 +11,22 @@ from diffrl.schema.fields import _f
 @dataclass
 class SamplingConfig:
     num_steps: int = _f(10, "Denoising steps per rollout.", valid=">= 1")
-    sde_type: Literal["sde", "cps", "dance", "ode"] = _f(
+    sde_type: Literal["sde", "cps", "dance", "consistency", "ode"] = _f(
         "sde",
-        "Step rule: flow-GRPO 'sde', coefficient-preserving 'cps', DanceGRPO 'dance' (constant eta), 'ode'.",
+        "Step rule: flow-GRPO 'sde', coefficient-preserving 'cps', DanceGRPO 'dance' (constant eta), "
+        "'consistency' (few-step models, RLCM: predict the clean sample, re-noise it to the next sigma with "
+        "fresh noise; evaluations sample the same way), 'ode'.",
     )
-    noise_level: float = _f(0.7, "Noise scale: a for sde/cps, eta for dance.", valid=">= 0")
-    eval_num_steps: int | None = _f(None, "Steps for evaluation (ODE); null uses num_steps.", valid=">= 1")
+    noise_level: float = _f(
+        0.7,
+        "Noise scale: a for sde/cps, eta for dance (consistency re-noises fully and ignores it).",
+        valid=">= 0",
+    )
+    eval_num_steps: int | None = _f(
+        None,
+        "Steps for evaluation (ODE; consistency sampling under sde_type consistency); null uses num_steps.",
+        valid=">= 1",
+    )
     ode_solver: Literal["euler", "dpm2"] = _f(
         "euler",
         "The deterministic rollouts' solver: Euler, or DPM-Solver++(2M) (DiffusionNFT's dpm2; needs "

@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType, pad_across_processes
 from tqdm.auto import tqdm
 
 from diffrl.algorithms import compute_advantages, get_objective
+from diffrl.algorithms.prompt_history import PromptHistory
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
 from diffrl.evaluation.scoring import evaluate_run
@@ -31,6 +32,7 @@ from diffrl.sampling import SamplerSettings, get_strategy
 from diffrl.training import checkpoint as ckpt
 from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
+from diffrl.training.data import plan_step
 from diffrl.training.ema import EMA, OldPolicy
 from diffrl.training.metrics import MetricsLogger
 from diffrl.training.plan import derive, format_plan
@@ -127,11 +129,10 @@ class Trainer:
             self.old_policy = OldPolicy(
                 self.policy.trainable_parameters(), a.old_decay_flat, a.old_decay_rate, a.old_decay_max
             )
-        state = {"scheduler": self.scheduler, "counters": self.counters, "ema": self.ema}
-        state["old_policy"] = self.old_policy
-        for name in checkpoints.registered(self.ema is not None, self.old_policy is not None):
-            self.acc.register_for_checkpointing(state[name])
-        ckpt.install_accelerate_hooks(self.acc)
+        a = cfg.advantage
+        history = a.estimator == "prompt_history"  # DDPO's per-prompt statistics, checkpointed
+        self.prompt_history = PromptHistory(a.history_size, a.history_min_count, a.eps) if history else None
+        self._register_checkpoint_state()
         self.updater = Updater(
             self.acc,
             self.policy,
@@ -161,6 +162,17 @@ class Trainer:
         old = self.old_policy.swapped_in if self.samples_with_old_policy() else None
         self.rollouts = rollout_stage(parts, self.precision, self.strategy, self.sampler_settings, old)
 
+    def _register_checkpoint_state(self) -> None:
+        """Every piece of state a checkpoint holds, registered with accelerate in the order
+        :data:`~diffrl.inference.checkpoints.REGISTERED` gives (accelerate names their
+        files by position; readers find the EMA by it)."""
+        state = {"scheduler": self.scheduler, "counters": self.counters, "ema": self.ema}
+        state["old_policy"], state["prompt_history"] = self.old_policy, self.prompt_history
+        present = (self.ema is not None, self.old_policy is not None, self.prompt_history is not None)
+        for name in checkpoints.registered(*present):
+            self.acc.register_for_checkpointing(state[name])
+        ckpt.install_accelerate_hooks(self.acc)
+
     # -- stages ---------------------------------------------------------------------------
     def rollout_and_score(self, step: int) -> Rollout:
         """Rollouts of this process's share of the iteration, scored (:mod:`diffrl.training.rollouts`:
@@ -186,12 +198,15 @@ class Trainer:
     def credit(self, r: Rollout, step: int) -> Credit:
         """Advantages over the whole batch: per group for independent samples, per (tree,
         depth) with pruning for trees."""
-        return self.tree_advantages(r, step) if r.is_tree else self.advantages(r)
+        return self.tree_advantages(r, step) if r.is_tree else self.advantages(r, step)
 
-    def advantages(self, r: Rollout) -> Credit:
-        """Gather rewards and group ids from every process and normalise over whole groups."""
+    def advantages(self, r: Rollout, step: int) -> Credit:
+        """Gather rewards and group ids from every process and normalise over whole groups
+        (or by each prompt's reward history: DDPO's and RLCM's ``prompt_history``)."""
         all_total, all_groups = self.gather(r.total), self.gather(r.groups)
         a = self.cfg.advantage
+        if self.prompt_history is not None:
+            return self._history_advantages(all_total, all_groups, step, len(r.total))
         adv = compute_advantages(
             all_total,
             all_groups,
@@ -209,6 +224,18 @@ class Trainer:
             zero = values == 0
             refill, keep = zero & adv.clean[sl], keep & ~zero
         return Credit(all_total, values, keep, adv.filtered_fraction, adv.dropped_groups, refill=refill)
+
+    def _history_advantages(self, all_total, all_groups, step: int, n: int) -> Credit:
+        """Advantages against each prompt's reward history, kept identical on every
+        process (each updates its copy with the same gathered rewards)."""
+        cfg = self.cfg
+        plan = plan_step(self.session.train_prompts, cfg.seed, step, cfg.rollout.prompts_per_step, 1)
+        prompts = [plan.prompts[int(g)] for g in all_groups.tolist()]
+        values, finite = self.prompt_history.advantages(prompts, all_total)
+        rank = self.acc.process_index
+        sl = slice(rank * n, (rank + 1) * n)
+        dropped = len(torch.unique(all_groups[~finite]))  # groups with a non-finite reward
+        return Credit(all_total, values[sl].float(), finite[sl], 0.0, dropped)
 
     def tree_advantages(self, r: Rollout, step: int) -> Credit:
         """BranchGRPO credit: fused node rewards, depth-wise advantages, pruning."""

@@ -24,7 +24,7 @@ def test_log_prob_matches_torch_normal(reduction):
     torch.testing.assert_close(gaussian_log_prob(x, mean, std, reduction), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["sde", "cps", "dance"])
+@pytest.mark.parametrize("kind", ["sde", "cps", "dance", "consistency"])
 def test_step_log_prob_is_normal_density_of_sample(kind):
     x, v = _inputs()
     eps = torch.randn_like(x)
@@ -114,7 +114,7 @@ def test_flow_grpo_kl_variant_divides_by_std_t():
 
 def test_unknown_kind_is_rejected_by_name():
     x, v = _inputs()
-    with pytest.raises(ValueError, match="valid: sde, cps, dance, ode"):
+    with pytest.raises(ValueError, match="valid: sde, cps, dance, consistency, ode"):
         step("sdee", x, v, 0.5, 0.4, 0.7)
 
 
@@ -128,3 +128,30 @@ def test_sde_first_step_below_pure_noise_uses_sigma_1_like_flow_grpo_does_at_sig
         assert torch.allclose(std_t, torch.full((2,), 0.7 * math.sqrt(s0 / (1 - 0.96))))
     _, _, later = step_mean_std("sde", x, v, 0.9, 0.8, 0.7, sigma_1=0.96)
     assert torch.allclose(later, torch.full((2,), 0.7 * math.sqrt(0.9 / 0.1)))
+
+
+def test_consistency_step_predicts_the_clean_sample_and_renoises_it_with_fresh_noise():
+    """Multistep consistency sampling (Song et al. 2023, Alg. 1; RLCM's MDP) in flow
+    matching, written out: x0_hat = x - sigma v, x' = (1 - sigma') x0_hat + sigma' eps, so
+    x' ~ N((1 - sigma') x0_hat, sigma'^2), whatever the noise level; equal to cps at a = 1."""
+    x, v = _inputs()
+    eps = torch.randn_like(x)
+    sigma, sigma_next = 0.8, 0.35
+    res = step("consistency", x, v, sigma, sigma_next, 0.123, noise=eps)
+    x0_hat = x - sigma * v
+    torch.testing.assert_close(res.next_latents, (1 - sigma_next) * x0_hat + sigma_next * eps)
+    torch.testing.assert_close(res.std, torch.full((3,), sigma_next))
+    ref = Normal((1 - sigma_next) * x0_hat, sigma_next).log_prob(res.next_latents)
+    torch.testing.assert_close(res.log_prob, ref.mean(dim=(1, 2)), rtol=1e-5, atol=1e-5)
+    summed = step("consistency", x, v, sigma, sigma_next, 0.7, next_latents=res.next_latents, reduction="sum")
+    torch.testing.assert_close(summed.log_prob, ref.sum(dim=(1, 2)), rtol=1e-5, atol=1e-4)
+    cps = step("cps", x, v, sigma, sigma_next, 1.0, noise=eps)
+    torch.testing.assert_close(cps.mean, res.mean)
+    torch.testing.assert_close(cps.std, res.std)
+
+
+def test_the_last_consistency_step_returns_the_predicted_clean_sample_untrained():
+    x, v = _inputs()
+    res = step("consistency", x, v, 0.25, 0.0, 0.7, noise=torch.randn_like(x))
+    torch.testing.assert_close(res.next_latents, x - 0.25 * v)
+    assert torch.all(res.std == 0) and torch.all(res.log_prob == 0)
