@@ -15,6 +15,7 @@ from diffrl.twin import full_size_overrides
 ARCHS = [
     "flux1-dev",
     "flux1-kontext-dev",
+    "flux1-schnell",
     "flux2-klein-4b",
     "qwen-image",
     "qwen-image-edit",
@@ -47,11 +48,21 @@ def test_flux_dev_has_exactly_its_published_parameter_count():
     assert sum(p.numel() for p in load_arch("flux1-dev").build_transformer().parameters()) == 11_901_408_320
 
 
+def test_flux_schnell_is_flux_dev_without_the_guidance_embedding():
+    dev = load_arch("flux1-dev").build_transformer()
+    schnell = load_arch("flux1-schnell").build_transformer()
+    guidance = sum(p.numel() for p in dev.time_text_embed.guidance_embedder.parameters())
+    assert not hasattr(schnell.time_text_embed, "guidance_embedder")
+    assert sum(p.numel() for p in schnell.parameters()) == 11_901_408_320 - guidance
+
+
 def test_real_configs_resolve_to_their_architecture():
     expected = {
         "flux_flowgrpo": "flux1-dev",
         "flux_branchgrpo": "flux1-dev",
         "flux_solrl": "flux1-dev",
+        "flux_schnell_rlcm": "flux1-schnell",
+        "sd35_turbo_rlcm": "sd35-large",
         "sd35_flowgrpo": "sd35-medium",
         "sd35_solrl": "sd35-large",
         "sana_solrl": "sana1.5-1.6b",
