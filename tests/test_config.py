@@ -55,7 +55,9 @@ def test_wrong_type_names_key_and_type(tmp_path):
 
 
 def test_bad_choice_lists_valid_choices(tmp_path):
-    with pytest.raises(ConfigError, match=r"sampling\.sde_type.*one of 'sde', 'cps', 'dance', 'consistency', 'ode'"):
+    with pytest.raises(
+        ConfigError, match=r"sampling\.sde_type.*one of 'sde', 'cps', 'dance', 'consistency', 'ode'"
+    ):
         load_config(_write(tmp_path, "sampling:\n  sde_type: euler\n"))
 
 

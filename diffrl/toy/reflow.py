@@ -104,9 +104,14 @@ def few_step_scores(pipe: ToyPipeline, prompts: list[str], steps: int, kind: str
     for t in range(steps):
         v = pipe.velocity(x, sigmas[t].expand(len(prompts)), embeds, pooled)
         rule = kind if t < steps - 1 else "ode"
-        x = step(rule, x, v, sigmas[t], sigmas[t + 1], 0.0, noise=torch.randn(x.shape, generator=gen)).next_latents
+        x = step(
+            rule, x, v, sigmas[t], sigmas[t + 1], 0.0, noise=torch.randn(x.shape, generator=gen)
+        ).next_latents
     scores = ShapeWorldVerifier()(tiny.to_unit_range(x), prompts)
-    return {"strict": float(scores["shapeworld_strict"].mean()), "partial": float(scores["shapeworld_partial"].mean())}
+    return {
+        "strict": float(scores["shapeworld_strict"].mean()),
+        "partial": float(scores["shapeworld_partial"].mean()),
+    }
 
 
 def _evaluations(pipe: ToyPipeline, cfg: ReflowConfig) -> dict:
@@ -142,7 +147,11 @@ def reflow(cfg: ReflowConfig, log=print) -> dict:
         ema.update()
         loss_acc += float(loss.detach())
         if it % cfg.eval_every == 0 or it == cfg.steps:
-            row = {"step": it, "loss": loss_acc / (it - history[-1]["step"]), "minutes": (time.time() - start) / 60}
+            row = {
+                "step": it,
+                "loss": loss_acc / (it - history[-1]["step"]),
+                "minutes": (time.time() - start) / 60,
+            }
             loss_acc = 0.0
             with ema.swapped_in():
                 row.update(_evaluations(student, cfg))

@@ -190,4 +190,6 @@ def test_a_missing_local_model_folder_gets_the_family_s_download_into_that_folde
     for component in PF.pipeline_components("flux"):
         assert f'"{component}/*"' in text
     (sd3,) = PF.model_needs(load_config("sd35_flowgrpo", [f"model.pretrained={tmp_path / 'sd35'}"]))
-    assert "stable-diffusion-3.5-large" in PF.command(sd3) and "stable-diffusion-3.5-medium" in PF.command(sd3)
+    assert "stable-diffusion-3.5-large" in PF.command(sd3) and "stable-diffusion-3.5-medium" in PF.command(
+        sd3
+    )
