@@ -5,15 +5,15 @@
 #   tools/device_slim.sh restore   # right after it, before any commit
 #
 # A device call carries the tracked tree, the untracked files git does not ignore and the
-# carried paths, 64 MiB in all. The tracked tree is 59 MiB, 43 of them four toy bases that
+# carried paths, 64 MiB in all. The tracked tree is 68 MiB, 53 of them five toy bases that
 # no GPU step reads (the GPU suite builds full-size models with random weights); with the
-# first call's wheels (11.4 MiB) it no longer fits. `hide` untracks those four folders in
+# first call's wheels (11.4 MiB) it no longer fits. `hide` untracks those five folders in
 # the index only and ignores them in .git/info/exclude, so they stay on disk and do not
 # travel; `restore` undoes both. Nothing is committed either way: `hide` refuses to run
 # over staged changes, so that a commit in between cannot delete the bases by accident.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BASES=(assets/toy_model_late assets/toy_model_capable assets/toy_video_model assets/toy_video_model_capable)
+BASES=(assets/toy_model_late assets/toy_model_capable assets/toy_model_fewstep assets/toy_video_model assets/toy_video_model_capable)
 EXCLUDE=.git/info/exclude
 case "${1:-}" in
 hide)

@@ -11,7 +11,7 @@ from diffrl.schema import ConfigError
 
 # models that are not real: the tiny twins, the ShapeWorld toys, random weights at a
 # published architecture (a measurement); their runs may use the shipped toy prompts
-TOY_MODELS = ("tiny", "shapeworld", "shapeworld_late", "shapeworld_video")
+TOY_MODELS = ("tiny", "shapeworld", "shapeworld_late", "shapeworld_fewstep", "shapeworld_video")
 
 
 def is_real_model(pretrained: str) -> bool:

@@ -31,6 +31,17 @@ from diffrl.models.sd3 import SD3Adapter
 SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "toy_model"
 # the late-step world's base (textured objects: diffrl/toy/late_world.py)
 SHIPPED_LATE = SHIPPED.with_name("toy_model_late")
+# the few-step base: the shipped one distilled by reflow (diffrl/toy/reflow.py)
+SHIPPED_FEWSTEP = SHIPPED.with_name("toy_model_fewstep")
+# model.pretrained name -> (folder, the command that makes it)
+SHIPPED_TOYS = {
+    "shapeworld": (SHIPPED, "scripts/pretrain_toy.py"),
+    "shapeworld_late": (
+        SHIPPED_LATE,
+        "scripts/pretrain_toy.py --world late (assets/toy_model_late/README.md)",
+    ),
+    "shapeworld_fewstep": (SHIPPED_FEWSTEP, "scripts/distill_toy.py (assets/toy_model_fewstep/README.md)"),
+}
 _SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")  # eos id 3: CLIP pools at the first eos
 _WORDS = (
     "a an one two three four and to the left right of above below red green blue yellow purple "
@@ -293,17 +304,16 @@ class ToyAdapter(SD3Adapter):
 
     @classmethod
     def from_pretrained(cls, model_cfg) -> ToyAdapter:
-        """``shapeworld`` = the shipped weights, ``shapeworld_late`` the late-step world's;
-        otherwise a directory from ``save_pretrained``."""
-        late = model_cfg.pretrained == "shapeworld_late"
+        """``shapeworld`` = the shipped weights, ``shapeworld_late`` the late-step world's,
+        ``shapeworld_fewstep`` the few-step one; otherwise a directory from ``save_pretrained``."""
+        name = model_cfg.pretrained if model_cfg.pretrained in SHIPPED_TOYS else "shapeworld"
+        folder, how = SHIPPED_TOYS[name]
         return load_toy(
             super().from_pretrained,
             model_cfg,
-            "shapeworld_late" if late else "shapeworld",
-            SHIPPED_LATE if late else SHIPPED,
-            "scripts/pretrain_toy.py --world late (assets/toy_model_late/README.md)"
-            if late
-            else "scripts/pretrain_toy.py",
+            name,
+            folder,
+            how,
             lambda adapter: adapter.transformer.config.sample_size,
         )
 

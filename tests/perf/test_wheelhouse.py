@@ -138,7 +138,8 @@ def test_device_slim_hides_the_toy_bases_from_the_index_and_restores_them(tmp_pa
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
     shutil.copy(root / "tools" / "device_slim.sh", repo / "tools")
-    bases = ["toy_model", "toy_model_late", "toy_model_capable", "toy_video_model", "toy_video_model_capable"]
+    bases = ["toy_model", "toy_model_late", "toy_model_capable", "toy_model_fewstep", "toy_video_model"]
+    bases += ["toy_video_model_capable"]
     for base in bases:
         (repo / "assets" / base).mkdir(parents=True)
         (repo / "assets" / base / "w.bin").write_bytes(b"x")
