@@ -13,7 +13,7 @@ import torch
 
 from diffrl.sampling import rng
 from diffrl.sampling.dpm import DPM2
-from diffrl.sampling.schedule import sigma_grid
+from diffrl.sampling.schedule import check_consistency_grid, sigma_grid
 from diffrl.sampling.sde import step
 from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.windows import step_kinds
@@ -257,6 +257,7 @@ def rollout_independent(
     n = num_steps or s.sampling.num_steps
     sigmas = sigma_grid(adapter, n, s.sampling.sigma_shift)
     kinds = kinds or step_kinds(s.sampling, n, iteration, seed=s.seed)
+    check_consistency_grid(sigmas, kinds)
     parts, pool = [], ExploredPool(list(keys))
     for start in range(0, len(keys), s.batch_size):
         idx = list(range(start, min(start + s.batch_size, len(keys))))

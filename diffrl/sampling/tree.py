@@ -41,7 +41,7 @@ import torch
 
 from diffrl.sampling import rng
 from diffrl.sampling.rollout import Trajectory, initial_noise
-from diffrl.sampling.schedule import sigma_grid
+from diffrl.sampling.schedule import check_consistency_grid, sigma_grid
 from diffrl.sampling.sde import step
 from diffrl.sampling.settings import SamplerSettings
 from diffrl.sampling.tree_spec import TreeSpec
@@ -281,6 +281,7 @@ def rollout_tree(
     n_steps, shape = spec.num_steps, adapter.latent_shape()
     sigmas = sigma_grid(adapter, n_steps, cfg.sampling.sigma_shift)
     kinds = step_kinds(cfg.sampling, n_steps, iteration, always_sde=spec.split_steps, seed=cfg.seed)
+    check_consistency_grid(sigmas, kinds)
     levels = spec.noise_levels(cfg.sampling.noise_level)
     draw_scales = spec.draw_scales()
     lay = spec.layout(len(roots))

@@ -134,6 +134,7 @@ def test_an_objective_refuses_the_strategies_it_does_not_declare():
 RLCM = (
     "objective.name=rlcm",
     "sampling.sde_type=consistency",
+    "sampling.sigma_shift=1.0",
     "objective.kl_coef=0",
     "advantage.estimator=prompt_history",
     "advantage.history_size=8",
@@ -190,3 +191,18 @@ def test_a_consistency_rollout_replays_exactly_and_leaves_its_last_step_untraine
             next_latents=traj.latents[:, t + 1],
         )
         assert torch.equal(again.log_prob, traj.log_probs[:, t])
+
+
+def test_a_consistency_step_to_a_level_just_above_zero_is_refused(tmp_path):
+    """The toy scheduler's own 4-step grid ends at sigma 1/1000: a re-noising step there
+    has std 0.001 and an exploding ratio, so the rollout refuses it and names the fix."""
+    from diffrl.sampling import SamplerSettings
+    from diffrl.sampling.rollout import rollout_independent
+
+    sets = [x for x in RLCM if not x.startswith("sampling.sigma_shift")]
+    trainer = Trainer(quick_config("tiny_toy_flowgrpo", tmp_path, *sets))
+    cond = trainer.adapter.encode_prompts(["a red circle"])
+    with pytest.raises(ValueError, match=r"re-noises step 2 to sigma 0\.0010.*set sampling\.sigma_shift"):
+        rollout_independent(
+            trainer.adapter, trainer.model, cond, [(0, 0, 0, 0)], SamplerSettings.of(trainer.cfg)
+        )
