@@ -206,3 +206,15 @@ def test_a_consistency_step_to_a_level_just_above_zero_is_refused(tmp_path):
         rollout_independent(
             trainer.adapter, trainer.model, cond, [(0, 0, 0, 0)], SamplerSettings.of(trainer.cfg)
         )
+
+
+@pytest.mark.parametrize("objective", ["flow_grpo", "nft"])
+def test_flow_grpo_and_diffusionnft_train_on_the_consistency_sampler_too(tmp_path, objective):
+    """Issue 63: the comparison objectives run through the same few-step sampler (flow-GRPO
+    on its stored transitions, DiffusionNFT on the clean samples) and change the policy."""
+    sets = ["sampling.sde_type=consistency", "sampling.sigma_shift=1.0", f"objective.name={objective}"]
+    sets += ["train.max_steps=1", "eval.every=0"]
+    trainer = Trainer(quick_config("tiny_toy_flowgrpo", tmp_path, *sets))
+    before = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
+    trainer.fit()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.trainable_parameters()))
