@@ -212,6 +212,29 @@ def settings_differences(saved_config: Path, cfg_section: dict, section: str) ->
     return diffs
 
 
+# the settings that decide which objects a checkpoint registers (REGISTERED): an EMA, an
+# old policy (the objective's), a per-prompt reward history (the advantage estimator)
+STATE_SETTINGS = ("train.ema_decay", "objective.name", "advantage.estimator")
+
+
+def state_settings_diff(saved_config: Path, cfg) -> str:
+    """'; train.ema_decay is 0.9 there and 0.0 here' for each setting of
+    :data:`STATE_SETTINGS` in which this config differs from the checkpoint's (a resume then
+    meets other saved objects than it registers); nothing without a saved config."""
+    if cfg is None or not Path(saved_config).is_file():
+        return ""
+    import yaml
+
+    saved = yaml.safe_load(Path(saved_config).read_text()) or {}
+    diffs = []
+    for key in STATE_SETTINGS:
+        section, name = key.split(".")
+        there, here = (saved.get(section) or {}).get(name), getattr(getattr(cfg, section), name)
+        if there is not None and there != here:
+            diffs.append(f"{key} is {there!r} there and {here!r} here")
+    return "".join(f"; {d}" for d in diffs) + (": resume with the run's own settings" if diffs else "")
+
+
 def model_settings_diff(saved_config: Path, model_cfg) -> str:
     """'; model.lora.rank is 8 there and 16 here' for each model setting that differs."""
     if model_cfg is None:

@@ -36,7 +36,9 @@ def check_consistency_grid(sigmas: torch.Tensor, kinds: list[str]) -> None:
     0.001, so any change of the model moves its log-prob ratio by orders of magnitude (a
     ShapeWorld run measured 2-4 per optimizer step against a clip of 1e-4)."""
     levels = sigmas.tolist()
-    tiny = [t for t, k in enumerate(kinds) if k == "consistency" and 0 < levels[t + 1] < CONSISTENCY_MIN_SIGMA]
+    tiny = [
+        t for t, k in enumerate(kinds) if k == "consistency" and 0 < levels[t + 1] < CONSISTENCY_MIN_SIGMA
+    ]
     if tiny:
         t = tiny[0]
         raise ValueError(

@@ -38,6 +38,7 @@ from diffrl.inference.checkpoints import (
     list_checkpoints,
     model_settings_diff,
     open_to_the_umask,
+    state_settings_diff,
     weights_mismatch,
 )
 from diffrl.runtime.sharding import is_sharded
@@ -113,7 +114,7 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(accelerator, policy, path: Path, model_cfg=None) -> int:
+def load_checkpoint(accelerator, policy, path: Path, model_cfg=None, cfg=None) -> int:
     """Restore optimizer, schedule, RNG, registered objects and the exact trainable
     weights; returns the step the checkpoint was taken after. A damaged checkpoint, or one
     of a different model (LoRA rank or targets, full fine-tuning), is one
@@ -142,7 +143,7 @@ def load_checkpoint(accelerator, policy, path: Path, model_cfg=None) -> int:
         first = str(err).splitlines()[0] if str(err) else ""
         raise CheckpointError(
             f"cannot resume from {path}: its optimizer / RNG state does not load "
-            f"({type(err).__name__}: {first})"
+            f"({type(err).__name__}: {first})" + state_settings_diff(path / "config.yaml", cfg)
         ) from None
     policy.load_trainable_state_dict(state)
     return int(meta["step"])

@@ -359,7 +359,7 @@ class Trainer:
     # -- loop -----------------------------------------------------------------------------
     def resume(self, spec: str) -> None:
         path = checkpoints.resolve_resume(spec, self.cfg.run_dir, log=self.acc.print)
-        self.step = ckpt.load_checkpoint(self.acc, self.policy, path, self.cfg.model)
+        self.step = ckpt.load_checkpoint(self.acc, self.policy, path, self.cfg.model, self.cfg)
         self.acc.print(f"resumed from {path} at step {self.step}")
 
     def fit(self) -> list[dict]:

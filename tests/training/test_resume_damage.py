@@ -127,3 +127,12 @@ def test_the_safetensors_check_agrees_with_the_library(tmp_path):
         assert safetensors_problem(f) is not None
         with pytest.raises(SafetensorError):
             load_file(str(f))
+
+
+def test_resuming_with_another_ema_setting_names_the_setting(three_steps, tmp_path):
+    """Issue 62, item 1 for resume: the run kept no EMA and this config keeps one, so the
+    checkpoint holds other registered objects than the resume registers; the one error
+    names the setting, not only accelerate's 'Number of custom checkpoints'."""
+    run = _copy(three_steps, tmp_path)
+    with pytest.raises(CheckpointError, match=r"train\.ema_decay is 0\.0 there and 0\.9 here: resume with"):
+        Trainer(_cfg(run, 4, "train.ema_decay=0.9")).resume("latest")
