@@ -51,7 +51,7 @@ def _rewards(cfg) -> list[dict]:
     return out
 
 
-def _prompt_files(family: str) -> list[str]:
+def _prompt_files(family: str, holdout: int = 0) -> list[str]:
     """The tiny prompt sets; an editing family gets the ShapeWorld edits (with images)."""
     from diffrl.models import adapter_class
 
@@ -60,7 +60,9 @@ def _prompt_files(family: str) -> list[str]:
     else:
         train, held = "assets/prompts/tiny_train.txt", "assets/prompts/tiny_eval.txt"
     # the tiny files are split already: a holdout of the training file would empty it
-    return [f"data.train_prompts={train}", f"data.eval_prompts={held}", "data.eval_holdout=0"]
+    return [f"data.train_prompts={train}", f"data.eval_prompts={held}"] + (
+        ["data.eval_holdout=0"] if holdout else []
+    )
 
 
 def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
@@ -89,7 +91,7 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         "train.max_steps=1",
         # compiling pays on a GPU; on the CPU a twin's smoke run would spend its time in inductor
         "perf.compile_rollout=false",
-        *_prompt_files(cfg.model.family),
+        *_prompt_files(cfg.model.family, cfg.data.eval_holdout),
         *QUIET_RUN,
         f"run_name={cfg.run_name}_tiny_twin",
         f"rewards={json.dumps(_rewards(cfg))}",
@@ -113,7 +115,7 @@ def full_size_overrides(cfg, steps: int = 2) -> list[str]:
         f"train.max_steps={steps}",
         *QUIET_RUN,
         # random weights measure speed and memory, not prompts: the shipped ones, no fetch
-        *_prompt_files(cfg.model.family),
+        *_prompt_files(cfg.model.family, cfg.data.eval_holdout),
         f"run_name={cfg.run_name}_full_size",
         f"rewards={json.dumps(_rewards(cfg))}",
     ]
