@@ -38,7 +38,7 @@ def test_every_registry_names_the_closest_name_and_all_valid_ones(lookup, typo, 
 
 
 def test_objectives_declare_what_they_train_on():
-    assert available_objectives() == ["awm", "dgpo", "flow_dppo", "flow_grpo", "grpo_guard", "nft"]
+    assert available_objectives() == ["awm", "dgpo", "flow_dppo", "flow_grpo", "grpo_guard", "nft", "rlcm"]
     declared = {
         name: (o.trains_on, o.needs_old_policy, o.forward_process, o.whole_groups)
         for name in available_objectives()
@@ -46,6 +46,7 @@ def test_objectives_declare_what_they_train_on():
     }
     assert declared == {
         "flow_grpo": ("transitions", False, False, False),
+        "rlcm": ("transitions", False, False, False),
         "grpo_guard": ("transitions", False, False, False),
         "flow_dppo": ("transitions", False, False, False),
         "nft": ("clean_samples", True, True, False),
