@@ -196,7 +196,12 @@ def spaced_subset(prompts: list[str], count: int) -> list[str]:
     subset that covers a file sorted by prompt type as well as a shuffled one."""
     if count >= len(prompts):
         return list(prompts)
-    return [prompts[(i * len(prompts)) // count] for i in range(count)]
+    return [prompts[i] for i in spaced_positions(len(prompts), count)]
+
+
+def spaced_positions(n: int, count: int) -> list[int]:
+    """``count`` (< n) positions evenly spaced through ``range(n)``, the first included."""
+    return [(i * n) // count for i in range(count)]
 
 
 def check_image_column(prompts: list[str], path, family: str, edits_images: bool) -> None:
@@ -228,8 +233,9 @@ def holdout_split(prompts: list, count: int, source) -> tuple[list, list]:
             f"data.eval_holdout is {count} but data.train_prompts '{source}' holds {len(prompts)} prompts: "
             f"hold out fewer than {len(prompts)}, or set data.eval_prompts and data.eval_holdout=0"
         )
-    held = {(i * len(prompts)) // count for i in range(count)}
-    return [p for i, p in enumerate(prompts) if i not in held], [prompts[i] for i in sorted(held)]
+    held = spaced_positions(len(prompts), count)
+    held_set = set(held)
+    return [p for i, p in enumerate(prompts) if i not in held_set], [prompts[i] for i in held]
 
 
 def prompt_keys(cfg) -> list[str]:

@@ -112,9 +112,9 @@ def model_needs(cfg) -> list[Need]:
     what = f"model {m.pretrained} ({m.family})"
     includes = ["model_index.json", *[f"{c}/*" for c in components]]
     if Path(m.pretrained).expanduser().exists() or os.path.isabs(m.pretrained):
-        return [
-            Need(what, path=str(Path(m.pretrained).expanduser()), includes=includes, components=components)
-        ]
+        path = str(Path(m.pretrained).expanduser())
+        fix = local_model_command(m.family, path, includes, components)
+        return [Need(what, path=path, includes=includes, components=components, fix=fix)]
     return [Need(what, repo=m.pretrained, revision=m.revision, includes=includes, components=components)]
 
 
@@ -288,27 +288,24 @@ def command(need: Need) -> str:
         return f"hf download {need.repo} --include {patterns}{revision}"
     if need.url is not None:
         return f"start the server that answers {need.url}, or fix its address in the config"
-    if need.components:
-        return _local_model_command(need)
     return "put the file there, or point the config at it"
 
 
-def _local_model_command(need: Need) -> str:
+def local_model_command(family: str, path: str, includes: list[str], components: list[str]) -> str:
     """A missing local diffusers folder: the download of the family's published checkpoint
     into exactly that folder (the others of the family named), or, for a family no shipped
     architecture lists, what the folder must hold."""
     from diffrl.models.arch import family_hub_ids
 
-    family = need.what.rsplit("(", 1)[-1].rstrip(")")
     hub_ids = family_hub_ids(family)
     if not hub_ids:
         return (
-            f"a diffusers folder with model_index.json and {', '.join(need.components)}: "
-            f"`hf download REPO --include ... --local-dir {need.path}`"
+            f"a diffusers folder with model_index.json and {', '.join(components)}: "
+            f"`hf download REPO --include ... --local-dir {path}`"
         )
-    patterns = " ".join(f'"{p}"' for p in need.includes)
+    patterns = " ".join(f'"{p}"' for p in includes)
     others = f" (or {', '.join(hub_ids[1:])})" if len(hub_ids) > 1 else ""
-    return f"hf download {hub_ids[0]} --include {patterns} --local-dir {need.path}{others}"
+    return f"hf download {hub_ids[0]} --include {patterns} --local-dir {path}{others}"
 
 
 def hub_details(need: Need) -> None:

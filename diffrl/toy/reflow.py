@@ -63,12 +63,12 @@ def teacher_pairs(teacher: ToyPipeline, n: int, steps: int, seed: int, batch: in
     """(noise z, teacher sample x0, caption) for ``n`` captions: each batch's captions and
     noise keyed by (seed, batch index), its sample from ``steps`` Euler steps."""
     by_kind = captions_by_kind()
+    size = teacher.transformer.config.sample_size
     zs, x0s, captions = [], [], []
     for i in range(0, n, batch):
         rnd = random.Random(f"reflow-{seed}-{i}")
         caps = [c for c, _ in batch_captions(by_kind, rnd, min(batch, n - i), 0.0, KIND_WEIGHTS)]
         gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        size = teacher.transformer.config.sample_size
         z = torch.randn((len(caps), 3, size, size), generator=gen)
         with torch.no_grad():
             images = teacher(caps, num_inference_steps=steps, latents=z, output_type="pt")
@@ -94,6 +94,7 @@ def few_step_scores(pipe: ToyPipeline, prompts: list[str], steps: int, kind: str
     step rule of :mod:`diffrl.sampling.sde`, noise keyed by ``seed``."""
     from diffrl.models import tiny
     from diffrl.sampling.sde import step
+    from diffrl.sampling.windows import last_step_deterministic
     from rewards.shapeworld import ShapeWorldVerifier
 
     gen = torch.Generator().manual_seed(seed)
@@ -101,9 +102,8 @@ def few_step_scores(pipe: ToyPipeline, prompts: list[str], steps: int, kind: str
     x = torch.randn((len(prompts), 3, size, size), generator=gen)
     embeds, pooled = pipe.text_embeddings(prompts)
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
-    for t in range(steps):
+    for t, rule in enumerate(last_step_deterministic([kind] * steps)):
         v = pipe.velocity(x, sigmas[t].expand(len(prompts)), embeds, pooled)
-        rule = kind if t < steps - 1 else "ode"
         x = step(
             rule, x, v, sigmas[t], sigmas[t + 1], 0.0, noise=torch.randn(x.shape, generator=gen)
         ).next_latents
