@@ -108,6 +108,7 @@ def _protocol_request(args):
         weights=args.weights,
         lora=args.lora,
         prompts=args.prompts,
+        paraphrases=args.paraphrases,
         limit=args.limit,
         images=args.images,
         rewards=tuple(args.rewards.split(",")) if args.rewards else (),
@@ -123,6 +124,11 @@ def _protocol_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocol", choices=sorted(PROTOCOLS), help="run a paper's evaluation protocol")
     p.add_argument("--lora", help="a LoRA from elsewhere: a PEFT or diffusers folder, a file or a hub id")
     p.add_argument("--prompts", help="another prompt set or file than the protocol's")
+    p.add_argument(
+        "--paraphrases",
+        help="a paraphrase file (.jsonl: prompt, original; docs/DATA.md): its originals and its paraphrases "
+        "from the same noise, both judged against the originals, and the gap",
+    )
     p.add_argument("--limit", type=int, default=0, help="the first N prompts only (a quick look)")
     p.add_argument("--images", type=int, default=0, help="images per prompt (default: the protocol's)")
     p.add_argument("--rewards", help="comma list: a subset of the protocol's rewards")

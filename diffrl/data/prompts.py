@@ -191,6 +191,51 @@ def _jsonl_record(path: Path, lineno: int, line: str) -> PromptRecord:
     return PromptRecord(obj["prompt"], image_path.resolve(), group, obj)
 
 
+@dataclass(frozen=True)
+class Paraphrase:
+    """One line of a paraphrase file: ``rendered``, the text the model is conditioned on,
+    and ``judged``, the original prompt the rewards score its image against (with the
+    original's metadata and input image, as :attr:`PromptRecord.prompt` gives them)."""
+
+    judged: str
+    rendered: str
+    style: str | None = None  # the line's ``style`` field (how it was paraphrased), if any
+    group: str | None = None  # the original's group (GenEval's ``tag``), as PromptRecord has it
+
+
+# the fields of a paraphrase line that describe the paraphrase, not the original prompt
+_PARAPHRASE_FIELDS = ("prompt", "original", "style")
+
+
+def read_paraphrases(source: str | Path) -> list[Paraphrase]:
+    """The lines of a paraphrase file: a ``.jsonl`` whose lines give the paraphrase as
+    ``prompt``, the prompt it rephrases as ``original`` and optionally ``style``; any other
+    field (GenEval's ``tag`` / ``include``, an ``image``) belongs to the original and is
+    what rewards read (docs/DATA.md, "Paraphrase files")."""
+    records = read_prompts(source)
+    path = resolve_prompt_path(source)
+    out = []
+    for number, record in enumerate(records, 1):
+        original = record.metadata.get("original")
+        if not isinstance(original, str) or not original.strip():
+            raise PromptFileError(
+                f"paraphrase file '{path}': prompt {number} ('{record.text}') has no string 'original' "
+                'field; each line reads {"prompt": "the paraphrase", "original": "the prompt it rephrases"}'
+            )
+        fields = {k: v for k, v in record.metadata.items() if k not in _PARAPHRASE_FIELDS}
+        judged = PromptRecord(
+            original.strip(), record.image, record.group, {"prompt": original.strip(), **fields}
+        )
+        rendered = PromptRecord(record.text, record.image)
+        style = record.metadata.get("style")
+        out.append(
+            Paraphrase(
+                judged.prompt, rendered.prompt, style if isinstance(style, str) else None, record.group
+            )
+        )
+    return out
+
+
 def spaced_subset(prompts: list[str], count: int) -> list[str]:
     """``count`` prompts evenly spaced through ``prompts`` (all when count >= len): a fixed
     subset that covers a file sorted by prompt type as well as a shuffled one."""

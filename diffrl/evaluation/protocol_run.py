@@ -38,6 +38,9 @@ class ProtocolRun:
     weights: str = "evaluated"  # a checkpoint's evaluated, trained or ema weights
     lora: str | None = None  # a LoRA from elsewhere: a PEFT or diffusers folder, a file or a hub id
     prompts: str | None = None  # another prompt set or file than the protocol's
+    # a paraphrase file (docs/DATA.md): its originals scored as the protocol's prompts and its
+    # paraphrases from the same noise, both judged against the originals (prompt overfitting)
+    paraphrases: str | None = None
     limit: int = 0  # the first N prompts only (0: all)
     images: int = 0  # images per prompt (0: the protocol's)
     rewards: tuple[str, ...] = ()  # a subset of the protocol's rewards (empty: all)
@@ -98,7 +101,9 @@ def protocol_config(request: ProtocolRun):
             f"{cfg.data.eval_holdout} evaluation prompts out of data.train_prompts (data.eval_holdout): "
             "name the prompts with --prompts FILE_OR_SET"
         )
-    source = request.prompts or protocol.prompts or cfg.data.eval_prompts
+    if request.paraphrases and request.prompts:
+        raise ConfigError("--paraphrases names the prompts (their originals) itself: drop --prompts")
+    source = request.paraphrases or request.prompts or protocol.prompts or cfg.data.eval_prompts
     rewards = [RewardSpec(**spec) for spec in reward_specs(protocol, request.rewards, request.reward_args)]
     data = dataclasses.replace(cfg.data, train_prompts=source, eval_prompts=source, eval_holdout=0)
     return dataclasses.replace(cfg, rewards=rewards, data=data)
@@ -169,8 +174,7 @@ def run(request: ProtocolRun) -> dict | None:
     protocol = P.PROTOCOLS[request.protocol]
     preflight_protocol(request)  # everything it reads, before a model loads
     session = open_session(request)
-    source = request.prompts or protocol.prompts or session.cfg.data.eval_prompts
-    items = P.protocol_items(protocol, source)[: request.limit or None]
+    source, items, rendered = protocol_prompts(request, protocol, session)
     session.reward_fn.check_prompts([prompt for prompt, _ in items], source)
     images = Path(request.out) / f"{protocol.name}_images" if request.save_images else None
     head = {
@@ -186,11 +190,39 @@ def run(request: ProtocolRun) -> dict | None:
     session.acc.print(yaml.safe_dump(head, sort_keys=False, width=110).rstrip())  # what is about to run
     writer = None if images is None else ImageWriter(images)
     scored = P.score_protocol(session, protocol, items, request.images_per_prompt, writer)
+    paraphrased = None
+    if rendered is not None:  # the same prompts paraphrased, from the same noise
+        folder = None if images is None else images.with_name(f"{protocol.name}_paraphrase_images")
+        writer = None if folder is None else ImageWriter(folder)
+        paraphrased = P.score_protocol(session, protocol, items, request.images_per_prompt, writer, rendered)
     if not session.acc.is_main_process:
         return None
     result = {**head, **P.summarise(protocol, scored), "samples": scored}
+    if paraphrased is not None:
+        result["paraphrases"] = paraphrase_summary(protocol, result, paraphrased, source)
     write(result, Path(request.out), protocol.name)
     return result
+
+
+def protocol_prompts(request: ProtocolRun, protocol: P.Protocol, session):
+    """(source, [(prompt, group)], the paraphrases rendered in their place or None): the
+    protocol's set, ``--prompts``, or a paraphrase file's originals and paraphrases."""
+    source = request.paraphrases or request.prompts or protocol.prompts or session.cfg.data.eval_prompts
+    if not request.paraphrases:
+        return source, P.protocol_items(protocol, source)[: request.limit or None], None
+    from diffrl.data.prompts import read_paraphrases
+
+    pairs = read_paraphrases(source)[: request.limit or None]
+    return source, [(pair.judged, pair.group) for pair in pairs], [pair.rendered for pair in pairs]
+
+
+def paraphrase_summary(protocol: P.Protocol, result: dict, paraphrased: list[dict], source: str) -> dict:
+    """The protocol's table over the paraphrased images, and the gap of each headline
+    score (the originals' minus the paraphrases'): how much of the score the wording the
+    model was trained on carries."""
+    table = P.summarise(protocol, paraphrased)
+    gap = {name: result["headline"][name] - value for name, value in table["headline"].items()}
+    return {"source": source, **table, "gap": gap, "samples": paraphrased}
 
 
 def _recorded_sha(source: str) -> list[str] | None:

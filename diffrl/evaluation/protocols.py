@@ -151,21 +151,23 @@ def protocol_items(protocol: Protocol, source: str) -> list[tuple[str, str | Non
 
 # -- generating and scoring ------------------------------------------------------------------
 def score_protocol(
-    session, protocol: Protocol, items, images_per_prompt: int, write_image=None
+    session, protocol: Protocol, items, images_per_prompt: int, write_image=None, rendered=None
 ) -> list[dict]:
     """Every prompt's images generated and scored (:func:`~diffrl.inference.generate.generate_and_score`,
     each prompt encoded on its own, so the table of N processes is the table of one), each
     image handed to ``write_image`` where given; every process gets every sample back, in
-    plan order, as ``{index, prompt, group, seed, scores}``."""
+    plan order, as ``{index, prompt, group, seed, scores}``. ``rendered`` (paraphrases,
+    one per item) conditions the images on other text from the same noise keys, still
+    judged against the items' prompts."""
     from diffrl.inference.generate import GenerationSettings, generate_and_score, plan_samples
 
     prompts, groups = [p for p, _ in items], [g for _, g in items]
-    samples = plan_samples(prompts, list(range(images_per_prompt)), protocol.name, groups)
+    samples = plan_samples(prompts, list(range(images_per_prompt)), protocol.name, groups, rendered)
     settings = GenerationSettings.of(session.cfg)
     scored = generate_and_score(session, samples, settings, encode_alone=True, write_image=write_image)
     return [
         {"index": x.sample.index, "prompt": x.sample.prompt, "group": x.sample.group, "seed": x.sample.seed,
-         "scores": x.scores}
+         "scores": x.scores, **({} if x.sample.rendered is None else {"rendered": x.sample.rendered})}
         for x in scored
     ]  # fmt: skip
 
@@ -262,8 +264,32 @@ def geneval_image_summary(samples: list[dict]) -> dict:
 
 
 def markdown(summary: dict, title: str) -> str:
-    lines = [f"### {title}", "", "| measure | value | SE | n |", "|---|---|---|---|"]
-    for label, value, se, n in summary["rows"]:
+    """The table (and, after ``--paraphrases``, the paraphrases' table and the gap of
+    each headline score)."""
+    lines = [f"### {title}", "", *_table_lines(summary["rows"])]
+    para = summary.get("paraphrases")
+    if para:
+        lines += [
+            "",
+            f"#### the same prompts paraphrased ({para['source']}), judged against their originals",
+            "",
+        ]
+        lines += _table_lines(para["rows"])
+        lines += [
+            "",
+            "| headline | original | paraphrased | gap (original - paraphrased) |",
+            "|---|---|---|---|",
+        ]
+        for name, gap in para["gap"].items():
+            lines.append(
+                f"| {name} | {summary['headline'][name]:.4f} | {para['headline'][name]:.4f} | {gap:+.4f} |"
+            )
+    return "\n".join(lines)
+
+
+def _table_lines(rows) -> list[str]:
+    lines = ["| measure | value | SE | n |", "|---|---|---|---|"]
+    for label, value, se, n in rows:
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         lines.append(f"| {label} | {shown} | {'' if se is None or math.isnan(se) else f'{se:.4f}'} | {n} |")
-    return "\n".join(lines)
+    return lines

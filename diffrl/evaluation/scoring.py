@@ -105,6 +105,7 @@ def evaluate(
     prefix: str = "eval",
     num_prompts: int | None = None,
     media: dict | None = None,
+    refine: bool = True,
 ) -> dict[str, float]:
     """Every reward score over ``prompts`` (the first ``num_prompts``, default
     ``eval.num_prompts``) x ``eval.seeds``, sampled by ``session``'s policy
@@ -113,10 +114,12 @@ def evaluate(
     :class:`EvalSettings` or a whole config. With ``sheet_path`` the main process also
     saves the first samples (the fixed eval noise, so sheets of different steps line up)
     as a PNG, and with a ``media`` dict it fills it with those samples for the trackers
-    (:func:`sample_media`)."""
+    (:func:`sample_media`). A session with PromptRL's refiner renders its greedy rewrite
+    of each prompt, judged against the prompt, unless ``refine`` is off."""
     s = EvalSettings.of(settings)
     count = s.num_prompts if num_prompts is None else num_prompts
-    samples = plan_samples(prompts[:count], s.seeds, prefix)
+    chosen = prompts[:count]
+    samples = plan_samples(chosen, s.seeds, prefix, rendered=refined(session, chosen) if refine else None)
     pictures = sheet_path is not None or media is not None
     scored = generate_and_score(
         session,
@@ -143,12 +146,91 @@ def _progress_bar(session) -> bool:
 
 def evaluate_run(session, settings=None, sheet_path=None, media=None) -> dict[str, float]:
     """A run's evaluation: the held-out prompts (``eval/``, with the sheet and the
-    trackers' media) and, if configured, the training subset (``eval_train/``)."""
+    trackers' media) and, if configured, the training subset (``eval_train/``) and the
+    paraphrases (``eval_para/``, :func:`evaluate_paraphrases`)."""
     settings = EvalSettings.of(session.cfg if settings is None else settings)
     out = evaluate(session, session.eval_prompts, settings, sheet_path=sheet_path, media=media)
     subset = session.train_eval_prompts
     if subset:
         out.update(evaluate(session, subset, settings, prefix="eval_train", num_prompts=len(subset)))
+    paraphrases = getattr(session, "eval_paraphrases", None)
+    if paraphrases:
+        out.update(evaluate_paraphrases(session, paraphrases, settings))
+    if getattr(session, "refiner", None) is not None and session.cfg.refiner.eval_without:
+        # the flow model alone, on the prompts as written: what the refiner adds
+        out.update(evaluate(session, session.eval_prompts, settings, prefix="eval_plain", refine=False))
+        if paraphrases:
+            out.update(evaluate_paraphrases(session, paraphrases, settings, "eval_para_plain", refine=False))
+    return out
+
+
+def refined(session, prompts: list[str]) -> list[str] | None:
+    """PromptRL's greedy rewrites of ``prompts`` (as UniRL evaluates its refiner), or None
+    for a session without a refiner."""
+    refiner = getattr(session, "refiner", None)
+    if refiner is None or not prompts:
+        return None
+    keys = [("eval", i) for i in range(len(prompts))]
+    return refiner.rewrite(list(prompts), keys, greedy=True).rendered(list(prompts))
+
+
+def evaluate_paraphrases(
+    session, paraphrases, settings, prefix: str = "eval_para", refine: bool = True
+) -> dict[str, float]:
+    """Prompt overfitting (PromptRL's second limit of flow RL): every paraphrase
+    (:class:`~diffrl.data.prompts.Paraphrase`) and its original, each seed from the *same*
+    noise key, both images judged against the original. Logs, for every reward score,
+    ``<prefix>/<name>/mean`` and ``/se`` over the paraphrases, ``/original`` and
+    ``/original_se`` over their originals, and ``/gap`` (original minus paraphrase) with
+    ``/gap_se``, its standard error over the pairs (the pairing removes the noise both
+    share); ``<prefix>/n``, ``<prefix>/diversity`` and, for lines that name their
+    ``style``, each top-level score's mean per style (``<prefix>/style/<style>/<name>``).
+    With PromptRL's refiner (and ``refine``), both are rendered from its rewrites of
+    them: the refiner's robustness to wording is what is measured."""
+    s = EvalSettings.of(settings)
+    judged = [p.judged for p in paraphrases]
+    rendered = [p.rendered for p in paraphrases]
+    if refine and getattr(session, "refiner", None) is not None:
+        originals = plan_samples(judged, s.seeds, prefix, rendered=refined(session, judged))
+        rephrased = plan_samples(judged, s.seeds, prefix, rendered=refined(session, rendered))
+    else:
+        originals = plan_samples(judged, s.seeds, prefix)
+        rephrased = plan_samples(judged, s.seeds, prefix, rendered=rendered)
+    scored = generate_and_score(
+        session,
+        originals + rephrased,
+        s.generation,
+        thumbnail=thumbnails,
+        progress=f"{prefix} ({len(paraphrases)} pairs x {len(s.seeds)} seeds x 2)"
+        if _progress_bar(session)
+        else None,
+    )
+    first, second = scored[: len(originals)], scored[len(originals) :]
+    names = sorted(scored[0].scores)
+    prompt_index = [x.sample.index for x in second]
+    before, after = scored_tensor(first, names), scored_tensor(second, names)
+    out = _score_summary(prefix, names, after, prompt_index)
+    for j, name in enumerate(names):
+        if f"{prefix}/{name}/mean" not in out:
+            continue
+        out[f"{prefix}/{name}/original"] = float(before[:, j].nanmean())
+        out[f"{prefix}/{name}/original_se"] = standard_error(before[:, j], prompt_index)
+        gap = before[:, j] - after[:, j]
+        out[f"{prefix}/{name}/gap"] = float(gap.nanmean())
+        out[f"{prefix}/{name}/gap_se"] = standard_error(gap, prompt_index)
+    out[f"{prefix}/diversity"] = diversity(torch.stack([x.thumbnail for x in second]), prompt_index)
+    out.update(_per_style(prefix, names, after, [paraphrases[i].style for i in prompt_index]))
+    return out
+
+
+def _per_style(prefix: str, names: list[str], scores: torch.Tensor, styles: list) -> dict[str, float]:
+    """Each top-level score's mean over the paraphrases of each style."""
+    out = {}
+    for style in sorted({x for x in styles if x}):
+        rows = torch.tensor([x == style for x in styles])
+        for j, name in enumerate(names):
+            if "/" not in name and not torch.isnan(scores[rows, j]).all():
+                out[f"{prefix}/style/{style}/{name}"] = float(scores[rows, j].nanmean())
     return out
 
 

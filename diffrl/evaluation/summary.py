@@ -35,7 +35,13 @@ def eval_rows(metrics_path: Path) -> list[dict]:
     return [r for r in rows if any(k.startswith("eval/") for k in r)]
 
 
-PREFIXES = (("eval/", "held-out prompts"), ("eval_train/", "training prompts"))
+PREFIXES = (
+    ("eval/", "held-out prompts"),
+    ("eval_train/", "training prompts"),
+    ("eval_para/", "paraphrases, judged against their originals (gap: original - paraphrase)"),
+    ("eval_plain/", "held-out prompts without the refiner"),
+    ("eval_para_plain/", "paraphrases without the refiner"),
+)
 
 
 def before_after(metrics_path: Path, headlines: tuple[str, ...] = ()) -> str:
@@ -91,7 +97,7 @@ def before_after(metrics_path: Path, headlines: tuple[str, ...] = ()) -> str:
 
 
 def _is_value(key: str) -> bool:
-    return key.endswith("/mean") or key.endswith("/diversity")
+    return key.endswith(("/mean", "/diversity", "/original", "/gap"))
 
 
 def _count(row: dict, prefix: str) -> str:
@@ -101,7 +107,10 @@ def _count(row: dict, prefix: str) -> str:
 
 def _cell(row: dict, key: str) -> str:
     value = row[key]
-    se = row.get(key[: -len("/mean")] + "/se") if key.endswith("/mean") else None
+    if key.endswith("/mean"):
+        se = row.get(key[: -len("/mean")] + "/se")
+    else:  # a paraphrase evaluation's original and gap carry their own (.../gap_se)
+        se = row.get(key + "_se")
     if value is None:
         return "n/a"
     return f"{value:.4g} ± {se:.2g}" if se is not None and se == se else f"{value:.4g}"

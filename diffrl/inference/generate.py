@@ -40,14 +40,24 @@ class Sample:
     seed: int
     key: tuple
     group: str | None = None  # the prompt's group (task tag, category, style), for tables
+    # the text the model is conditioned on when it is not ``prompt`` (a paraphrase, a
+    # refiner's rewrite); the rewards always judge the image against ``prompt``
+    rendered: str | None = None
+
+    @property
+    def conditioning_text(self) -> str:
+        return self.prompt if self.rendered is None else self.rendered
 
 
-def plan_samples(prompts: list[str], seeds: list[int], tag: str, groups=None) -> list[Sample]:
-    """Every prompt once per seed, prompt-major, with noise keys (tag, prompt index, seed)."""
+def plan_samples(prompts: list[str], seeds: list[int], tag: str, groups=None, rendered=None) -> list[Sample]:
+    """Every prompt once per seed, prompt-major, with noise keys (tag, prompt index, seed);
+    ``rendered[i]`` (optional) is the text prompt i's images are conditioned on instead of
+    the prompt itself, which the rewards still judge them against."""
     groups = groups or [None] * len(prompts)
+    rendered = rendered or [None] * len(prompts)
     return [
-        Sample(i, prompt, seed, (tag, i, seed), group)
-        for i, (prompt, group) in enumerate(zip(prompts, groups))
+        Sample(i, prompt, seed, (tag, i, seed), group, text)
+        for i, (prompt, group, text) in enumerate(zip(prompts, groups, rendered))
         for seed in seeds
     ]
 
@@ -108,7 +118,7 @@ def generate_and_score(
     mine = [i for chunk, _ in chunks for i in chunk]
     done: list[Scored] = []
     with torch.no_grad(), adapter.guidance_scale_as(s.guidance_scale), acc.autocast():
-        prompts = [samples[i].prompt for i in mine]
+        prompts = [samples[i].conditioning_text for i in mine]
         cond = adapter.encode_prompts(prompts, one_by_one=encode_alone) if prompts else None
     offset = 0
     quiet = progress is None or not acc.is_local_main_process

@@ -230,6 +230,15 @@ class EvalConfig:
         "null: model.guidance_scale.",
     )
     at_start: bool = _f(False, "Also evaluate before the first update.")
+    paraphrases: str | None = _f(
+        None,
+        "A paraphrase file (.jsonl: prompt, original; docs/DATA.md) also evaluated: each paraphrase and its "
+        "original from the same noise, the images judged against the original, logged as eval_para/... with "
+        "the gap (prompt overfitting, PromptRL); null skips it.",
+    )
+    paraphrase_num_prompts: int = _f(
+        0, "Paraphrases per evaluation (evenly spaced through the file); 0: all of them.", valid=">= 0"
+    )
 
 
 @dataclass

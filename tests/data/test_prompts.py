@@ -57,3 +57,42 @@ def test_an_empty_file_is_one_error_naming_it(tmp_path):
     (tmp_path / "e.txt").write_text("# nothing\n")
     with pytest.raises(PromptFileError, match="e.txt' has no prompts"):
         read_prompts(tmp_path / "e.txt")
+
+
+def test_a_paraphrase_line_renders_its_text_and_is_judged_as_its_original_with_its_fields(tmp_path):
+    from diffrl.data.prompts import read_paraphrases
+    from rewards.prompts import AnnotatedPrompt
+
+    geneval = {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "red"}]}
+    lines = [
+        {"prompt": "a crimson box", "original": "a red square", "style": "synonyms"},
+        {"prompt": "one scarlet block", "original": "a photo of a red square", **geneval},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("# a comment\n" + "".join(json.dumps(x) + "\n" for x in lines))
+    plain, tagged = read_paraphrases(path)
+    assert (plain.judged, plain.rendered, plain.style, plain.group) == (
+        "a red square",
+        "a crimson box",
+        "synonyms",
+        None,
+    )
+    assert type(plain.judged) is str and type(plain.rendered) is str
+    # GenEval's fields belong to the original: the reward reads them from the judged prompt
+    assert isinstance(tagged.judged, AnnotatedPrompt) and tagged.judged == "a photo of a red square"
+    assert tagged.judged.metadata == {"prompt": "a photo of a red square", **geneval}
+    assert tagged.rendered == "one scarlet block" and not isinstance(tagged.rendered, AnnotatedPrompt)
+    assert tagged.group == "colors" and tagged.style is None
+
+
+def test_a_paraphrase_line_without_its_original_is_one_error_naming_file_and_line(tmp_path):
+    from diffrl.data.prompts import read_paraphrases
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"prompt": "a crimson box", "original": "a red square"}\n{"prompt": "one scarlet block"}\n'
+    )
+    with pytest.raises(
+        PromptFileError, match=r"p.jsonl': prompt 2 \('one scarlet block'\) has no string 'original'"
+    ):
+        read_paraphrases(path)

@@ -42,3 +42,19 @@ def test_a_sample_is_the_same_image_whatever_else_is_generated_beside_it(tmp_pat
 def _same(a: dict, b: dict) -> bool:
     """Equal scores, NaN (a score that does not apply) equal to NaN."""
     return a.keys() == b.keys() and all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in a)
+
+
+def test_a_rendered_sample_is_conditioned_on_its_rendering_and_judged_against_its_prompt(tmp_path):
+    """A paraphrase (or a refiner's rewrite) is the image of its rendered text from the
+    sample's key, and the reward scores that image against the sample's own prompt."""
+    from diffrl.inference.generate import Sample
+
+    session = Session(quick_config("tiny_toy_flowgrpo", tmp_path))
+    settings = GenerationSettings.of(session.cfg)
+    key = ("eval", 0, 0)
+    rendered = Sample(0, "a red circle", 0, key, rendered="two blue squares")
+    direct = Sample(0, "two blue squares", 0, key)
+    a, b = generate_and_score(session, [rendered, direct], settings, keep_image=lambda p: True)
+    assert torch.equal(a.image, b.image)
+    _, _, logs = session.reward_fn(a.image.unsqueeze(0), ["a red circle"], {"keys": [key]})
+    assert _same(a.scores, {name: float(v[0]) for name, v in logs.items()})
