@@ -95,7 +95,16 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         *QUIET_RUN,
         f"run_name={cfg.run_name}_tiny_twin",
         f"rewards={json.dumps(_rewards(cfg))}",
+        *_refiner_twin(cfg),
     ]
+
+
+def _refiner_twin(cfg) -> list[str]:
+    """PromptRL's refiner as its tiny twin (the real LM's template, format reward and loss;
+    short rewrites): a twin run or a full-size one on random weights fetches no LM."""
+    if cfg.refiner.model is None:
+        return []
+    return ["refiner.model=tiny", "refiner.dtype=float32", "refiner.max_new_tokens=8"]
 
 
 def full_size_overrides(cfg, steps: int = 2) -> list[str]:
@@ -118,4 +127,6 @@ def full_size_overrides(cfg, steps: int = 2) -> list[str]:
         *_prompt_files(cfg.model.family, cfg.data.eval_holdout),
         f"run_name={cfg.run_name}_full_size",
         f"rewards={json.dumps(_rewards(cfg))}",
+        # the refiner LM is not part of the full-size measurement: its tiny twin stands in
+        *_refiner_twin(cfg),
     ]

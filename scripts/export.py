@@ -9,8 +9,11 @@
 ``--weights evaluated`` (the default) takes what the run's evaluations scored: the EMA
 weights when ``train.ema_decay`` > 0, else the trained ones; ``raw`` the trained ones.
 A LoRA folder loads with ``pipe.load_lora_weights(folder)``; a merged one holds
-``transformer/`` (``from_pretrained``). ``export.json`` beside them says which weights
-they are and from which checkpoint.
+``transformer/`` (``from_pretrained``). A run with PromptRL's refiner also exports it to
+``refiner/`` (a PEFT adapter over ``refiner.model``, or the whole LM, with its tokenizer:
+``PeftModel.from_pretrained`` / ``AutoModelForCausalLM.from_pretrained``), since the
+flow model was trained to render its rewrites. ``export.json`` beside them says which
+weights they are and from which checkpoint.
 """
 
 import argparse
@@ -51,6 +54,8 @@ def export(checkpoint: Path, out: Path, weights: str = "evaluated", merge: bool 
         shutil.copy2(folder / "pytorch_lora_weights.safetensors", out / "pytorch_lora_weights.safetensors")
     else:
         shutil.copytree(folder / "transformer", out / "transformer", dirs_exist_ok=True)
+    if (checkpoint / "refiner").is_dir():  # PromptRL: the flow model renders the refiner's rewrites
+        shutil.copytree(checkpoint / "refiner", out / "refiner", dirs_exist_ok=True)
     meta = json.loads((checkpoint / "meta.json").read_text())
     note = {"checkpoint": str(checkpoint), "step": meta["step"], "weights": weights, "merged": merge}
     note["holds"] = meta.get("weights", {}).get("raw/" if folder != checkpoint else "export", "trained")

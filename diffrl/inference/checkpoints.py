@@ -22,22 +22,24 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 REQUIRED = ("trainable.safetensors", "optimizer.bin", "random_states_0.pkl")
 # the objects the trainer registers with accelerate, in this order; accelerate names their
 # files by position (custom_checkpoint_<i>.pkl), so this order is how a reader finds them
-REGISTERED = ("scheduler", "counters", "ema", "old_policy", "prompt_history")
+REGISTERED = ("scheduler", "counters", "ema", "old_policy", "prompt_history", "refiner")
 
 
 class CheckpointError(UserError, RuntimeError):
     pass
 
 
-def registered(ema: bool, old_policy: bool, prompt_history: bool = False) -> list[str]:
-    """The registered objects of a run with (or without) an EMA, an old policy and DDPO's
-    per-prompt reward history (``advantage.estimator: prompt_history``), in order."""
+def registered(ema: bool, old_policy: bool, prompt_history: bool = False, refiner: bool = False) -> list[str]:
+    """The registered objects of a run with (or without) an EMA, an old policy, DDPO's
+    per-prompt reward history (``advantage.estimator: prompt_history``) and PromptRL's
+    trained refiner (its weights and optimizer), in order."""
     present = {
         "scheduler": True,
         "counters": True,
         "ema": ema,
         "old_policy": old_policy,
         "prompt_history": prompt_history,
+        "refiner": refiner,
     }
     return [name for name in REGISTERED if present[name]]
 

@@ -168,8 +168,22 @@ def lora_needs(cfg) -> list[Need]:
     return [Need(what, repo=spec, includes=["*.json", "*.safetensors"])]
 
 
+def refiner_needs(cfg) -> list[Need]:
+    """``refiner.model``: PromptRL's prompt-refining LM, a hub repository or a local folder
+    (the shipped ShapeWorld refiner and the tiny twin need nothing)."""
+    name = cfg.refiner.model
+    if name in (None, "tiny", "shapeworld"):
+        return []
+    what = f"refiner LM {name} (refiner.model)"
+    if Path(name).expanduser().exists() or os.path.isabs(name):
+        fix = f"hf download <the LM's hub id> --include {' '.join(TRANSFORMERS_FILES)} --local-dir {name}"
+        return [Need(what, path=str(Path(name).expanduser()), fix=fix)]
+    return [Need(what, repo=name, revision=cfg.refiner.revision, includes=TRANSFORMERS_FILES + ["*.jinja"])]
+
+
 def gather(cfg) -> list[Need]:
-    return merged([*prompt_needs(cfg), *model_needs(cfg), *lora_needs(cfg), *reward_needs(cfg)])
+    needs = [*prompt_needs(cfg), *model_needs(cfg), *lora_needs(cfg), *refiner_needs(cfg), *reward_needs(cfg)]
+    return merged(needs)
 
 
 def _identity(need: Need) -> tuple:

@@ -17,9 +17,15 @@ import datetime
 import functools
 from pathlib import Path
 
-from diffrl.data.prompts import check_image_column, holdout_split, load_prompts, spaced_subset
+from diffrl.data.prompts import (
+    check_image_column,
+    holdout_split,
+    load_prompts,
+    read_paraphrases,
+    spaced_subset,
+)
 from diffrl.inference.checkpoints import CheckpointError, settings_differences
-from diffrl.inference.weights import holds_weights, load_weights, saved_ema_decay
+from diffrl.inference.weights import holds_weights, load_refiner_weights, load_weights, saved_ema_decay
 from diffrl.models import adapter_class, build_adapter
 from diffrl.models.policy import Policy
 from diffrl.runtime.attention import apply_attention_backend
@@ -110,6 +116,22 @@ class Session:
         count = self.cfg.eval.train_num_prompts
         return spaced_subset(self.train_prompts, count) if count else []
 
+    @functools.cached_property
+    def eval_paraphrases(self) -> list:
+        """The paraphrases an evaluation also scores (``eval.paraphrases``, evenly spaced
+        ``eval.paraphrase_num_prompts`` of them; none when unset). The originals are checked
+        as any prompt is; the paraphrases only for what the model takes, since no reward
+        reads them."""
+        source = self.cfg.eval.paraphrases
+        if not source:
+            return []
+        pairs = read_paraphrases(source)
+        self.check_prompts([p.judged for p in pairs], source)
+        family = self.cfg.model.family
+        check_image_column([p.rendered for p in pairs], source, family, adapter_class(family).edits_images)
+        count = self.cfg.eval.paraphrase_num_prompts
+        return spaced_subset(pairs, count) if count else pairs
+
     def read_prompts(self, source) -> list[str]:
         """The prompts of ``source`` (a file or a prompt set), checked (:meth:`check_prompts`)."""
         prompts = load_prompts(source)
@@ -139,11 +161,18 @@ class Session:
             self.reward_fn.to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not keep_on_host)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
+        self.refiner = None  # PromptRL's prompt refiner (refiner.model), in front of the flow model
+        if cfg.refiner.model is not None:
+            from diffrl.models.refiner import PromptRefiner
+
+            self.refiner = PromptRefiner.build(cfg.refiner, self.acc.device, seed=cfg.seed)
 
     def load_weights(self, path, which: str = "evaluated") -> str:
         """Weights from a checkpoint or export (:func:`diffrl.inference.weights.load_weights`);
         says which were loaded."""
         what = load_weights(self.policy, path, which, self.cfg.model)
+        if self.refiner is not None:
+            what += "; " + load_refiner_weights(self.refiner, path)
         self.acc.print(f"weights: {what}")
         return what
 

@@ -61,6 +61,20 @@ def load_weights(policy, path: Path, which: str = "evaluated", model_cfg=None) -
     return f"the diffusers LoRA {path}"
 
 
+# the refiner's trained weights in a checkpoint (beside refiner/'s PEFT or LM folder)
+REFINER_WEIGHTS = Path("refiner") / "trained.safetensors"
+
+
+def load_refiner_weights(refiner, path: Path) -> str:
+    """The trained refiner of checkpoint ``path`` into ``refiner``; a checkpoint without one
+    (a run without the refiner, an outside LoRA) leaves the refiner as it was built."""
+    file = Path(path) / REFINER_WEIGHTS
+    if not file.is_file():
+        return "the refiner as refiner.model gives it (the checkpoint has none)"
+    refiner.load_trained_state(_read_weights(file))
+    return f"the trained refiner of {path}"
+
+
 def resolved_which(path: Path, which: str) -> str:
     """``trained`` or ``ema``: ``evaluated`` resolved by what the checkpoint says its
     evaluations scored (``meta.json``; before that record, by its config's EMA)."""

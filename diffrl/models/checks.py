@@ -11,6 +11,7 @@ def check_model(cfg) -> None:
     """Family-specific model keys: Wan2.2's low-noise CFG scale and its LoRA-only training,
     and the attention backends a family that masks text tokens can use."""
     _check_attention_mask_support(cfg)
+    _check_refiner(cfg)
     model = cfg.model
     if model.guidance_scale_2 is not None and model.family != "wan22":
         raise ConfigError(
@@ -33,6 +34,30 @@ def check_model(cfg) -> None:
             "model.full_finetune is not supported for wan22: two 14B experts plus their frozen "
             "reference do not fit the GPUs it would run on; train LoRA (model.full_finetune: false)"
         )
+
+
+def _check_refiner(cfg) -> None:
+    """PromptRL's refiner rewrites each independent sample's prompt: what it cannot pair with."""
+    r = cfg.refiner
+    if r.model is None:
+        if not (r.train_flow and r.keep_original == 0):
+            raise ConfigError(
+                "refiner.train_flow and refiner.keep_original need a refiner: set refiner.model"
+            )
+        return
+    if cfg.rollout.strategy != "independent" or cfg.solrl.enabled:
+        raise ConfigError(
+            "refiner.model rewrites the prompt of each independent sample; a tree (rollout.strategy: tree) "
+            "shares one prompt among its leaves and Sol-RL (solrl.enabled) regenerates a subset of its pool: "
+            "use rollout.strategy: independent without Sol-RL, or drop the refiner"
+        )
+    if r.keep_original >= cfg.rollout.group_size:
+        raise ConfigError(
+            f"refiner.keep_original is {r.keep_original} but rollout.group_size is {cfg.rollout.group_size}: "
+            "keep fewer originals than the group has members, so some rewrites are sampled"
+        )
+    if not (r.train or r.train_flow):
+        raise ConfigError("refiner.train and refiner.train_flow are both false: nothing would train")
 
 
 def _masked_attention_unsupported(backend: str) -> bool:

@@ -43,6 +43,7 @@ from diffrl.config import with_overrides
 from diffrl.models.arch import RANDOM_PREFIX, arch_for
 from diffrl.perf.flops import benchmark_prompts, count_flops, train_step_fn, velocity_fn
 from diffrl.perf.memory import GIB, buffer_bytes, module_bytes, param_bytes, saved_activation_bytes
+from diffrl.perf.refiner_memory import refiner_bytes
 
 # open_clip architecture behind each model reward (HPSv2/PickScore: ViT-H-14; CLIPScore and
 # the LAION aesthetic head: ViT-L-14); ImageReward is BLIP ViT-L + a BERT-base text tower.
@@ -79,7 +80,7 @@ FP8_TRAINING_BYTES = {
 }
 # parts not alive when the optimizer steps: activations and the FP8 flow's kept weights
 # (freed by the backward pass) and the Sol-RL pool (freed once scored, before the regeneration)
-TRANSIENT_PARTS = ("activations", POOL, FP8_TRAINING)
+TRANSIENT_PARTS = ("activations", POOL, FP8_TRAINING, "refiner activations", "refiner KV cache")
 
 
 _BLOCK_PREFIX = re.compile(r"^(.*?blocks)\.\d+\.")
@@ -223,6 +224,17 @@ def _train_flops(cfg, adapter, guidance: bool) -> int:
         return count_flops(step)
 
 
+def _unsharded_parts(cfg, plan: dict, activations: float) -> dict[str, float]:
+    """What every process holds whole whatever the sharding: activations, the trajectory
+    buffer, a Sol-RL pool and PromptRL's refiner LM."""
+    return {
+        "activations": activations,
+        "trajectory buffer": plan["trajectory_buffer_mib_per_process"] * 2**20,
+        POOL: plan.get("solrl_pool_mib_per_process", 0.0) * 2**20,
+        **refiner_bytes(cfg),
+    }
+
+
 def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict:
     """FLOPs and a per-process memory estimate (GiB) for ``cfg`` at full size, with the
     transformer state replicated (``"none"``: DDP) or sharded (``"fsdp"``)."""
@@ -250,11 +262,7 @@ def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict
             _block_count(transformer), 1
         )
     plan = derive(cfg, num_processes)
-    shared = {
-        "activations": activations,
-        "trajectory buffer": plan["trajectory_buffer_mib_per_process"] * 2**20,
-        POOL: plan.get("solrl_pool_mib_per_process", 0.0) * 2**20,
-    }
+    shared = _unsharded_parts(cfg, plan, activations)
     reward_bytes = sum(reward_params(r) for r in cfg.rewards) * 4  # fp32 unless configured
     by_sharding = {
         name: {

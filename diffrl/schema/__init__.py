@@ -14,6 +14,7 @@ from pathlib import Path
 from diffrl.schema.fields import ConfigError, _f, setting
 from diffrl.schema.model import LoraConfig, ModelConfig
 from diffrl.schema.precision import PerfConfig, PrecisionConfig, SolRLConfig
+from diffrl.schema.refiner import RefinerConfig
 from diffrl.schema.run import (
     AdvantageConfig,
     CheckpointConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "OptimConfig",
     "PerfConfig",
     "PrecisionConfig",
+    "RefinerConfig",
     "RewardSpec",
     "RolloutConfig",
     "SamplingConfig",
@@ -70,6 +72,9 @@ class Config:
     advantage: AdvantageConfig = _f(AdvantageConfig(), "Advantage estimator.")
     objective: ObjectiveConfig = _f(ObjectiveConfig(), "Policy objective.")
     optim: OptimConfig = _f(OptimConfig(), "Optimizer.")
+    refiner: RefinerConfig = _f(
+        RefinerConfig(), "PromptRL's prompt-refining LM, trained with GRPO beside the flow model."
+    )
     train: TrainConfig = _f(TrainConfig(), "Training loop.")
     eval: EvalConfig = _f(EvalConfig(), "Held-out evaluation.")
     logging: LoggingConfig = _f(LoggingConfig(), "Metrics and trackers.")

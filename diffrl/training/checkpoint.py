@@ -41,13 +41,16 @@ from diffrl.inference.checkpoints import (
     state_settings_diff,
     weights_mismatch,
 )
+from diffrl.inference.weights import REFINER_WEIGHTS
 from diffrl.runtime.sharding import is_sharded
 
 
-def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0, ema=None) -> Path:
+def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0, ema=None, refiner=None) -> Path:
     """Collective: every process must call it (accelerate writes per-process RNG state).
     With an ``ema`` (:class:`~diffrl.training.ema.EMA` of the trainable weights), its
-    weights are the diffusers export and the trained ones go to ``raw/``."""
+    weights are the diffusers export and the trained ones go to ``raw/``. With PromptRL's
+    ``refiner``, ``refiner/`` holds it as users load it (a PEFT adapter or the whole LM,
+    with its tokenizer) and its exact trained tensors (``refiner/trained.safetensors``)."""
     root = checkpoint_root(cfg.run_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -69,6 +72,9 @@ def save_checkpoint(accelerator, policy, cfg, step: int, keep: int = 0, ema=None
                 policy.save_pretrained(tmp, averaged)
             policy.save_pretrained(tmp / "raw", trainable)
         save_file({k: v.contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+        if refiner is not None:
+            refiner.save_pretrained(tmp / "refiner")
+            save_file(refiner.trained_state(), str(tmp / REFINER_WEIGHTS))
         save_config(cfg, tmp / "config.yaml")
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         meta = {"step": step, "diffrl_version": diffrl.__version__, "time": time.time(), "files": files}

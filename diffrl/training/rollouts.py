@@ -36,6 +36,8 @@ class RolloutParts:
     seed: int
     prompts_per_step: int
     group_size: int
+    refiner: object = None  # PromptRL's PromptRefiner: rewrites each sample's prompt before rendering
+    refiner_settings: object = None  # the refiner section (keep_original, format_reward)
 
 
 class PlainRollouts:
@@ -52,8 +54,11 @@ class PlainRollouts:
         p = self.parts
         plan = plan_step(p.prompts, p.seed, step, p.prompts_per_step, p.group_size)
         _, local = plan.shard(p.acc.process_index, p.acc.num_processes)
-        cond = p.adapter.encode_prompts(local.prompts)
         clock = StageClock(p.acc.device)
+        rewrites = refine(p, local, clock)
+        cond = p.adapter.encode_prompts(
+            local.prompts if rewrites is None else rewrites.rendered(local.prompts)
+        )
         weights = self.old_weights() if self.old_weights is not None else contextlib.nullcontext()
         overlap, pending = overlap_hook(p.reward_fn, self.strategy, local.prompts)  # remote rewards
         args = (p.adapter, p.rollout_model, cond, local.keys, self.sampler_settings)
@@ -67,8 +72,11 @@ class PlainRollouts:
             traj = self.strategy(*args, iteration=step, **overlap)
         reshard(p.model)  # FSDP: the update must gather the live weights, not the rollout's
         with clock.stage("reward"):
+            # the images are judged against the prompts as written, whatever was rendered
             total, comps, logs = p.reward_fn(traj.images, local.prompts, {"keys": local.keys}, pending)
-        return Rollout(traj, cond, local.group_ids, total, comps, logs, clock.metrics, traj.nfe)
+        if rewrites is not None:
+            total, logs = with_format_reward(total, logs, rewrites, local.group_ids, p.refiner_settings)
+        return Rollout(traj, cond, local.group_ids, total, comps, logs, clock.metrics, traj.nfe, rewrites)
 
 
 class SolRLRollouts:
@@ -106,6 +114,35 @@ class SolRLRollouts:
         groups = local.group_ids.reshape(-1, size)[:, : p.group_size].flatten()
         nfe = out.metrics["solrl/explore_nfe"] + out.metrics["solrl/regenerate_nfe"]
         return Rollout(out.traj, out.cond, groups, out.total, out.components, out.logs, out.metrics, nfe)
+
+
+def refine(p: RolloutParts, local, clock):
+    """PromptRL: the refiner's rewrite of each sample's prompt (None without a refiner); the
+    first ``refiner.keep_original`` members of each group keep their prompt."""
+    if p.refiner is None:
+        return None
+    keep = [key[-1] < p.refiner_settings.keep_original for key in local.keys]
+    with clock.stage("refine"), torch.no_grad():
+        return p.refiner.rewrite(local.prompts, local.keys, keep=keep)
+
+
+def with_format_reward(total, logs, rewrites, groups, settings):
+    """The reward plus ``refiner.format_reward`` for a rewrite in the template's format
+    (UniRL: GenEval's score plus 1 or 0, a plain sum); a kept original gets its group's
+    mean format reward, as UniRL's editing runs give theirs (``edit_grpo_trainer.py``), so
+    that keeping the prompt is neither paid nor punished for the format."""
+    formatted = rewrites.formatted.to(total)
+    trained = rewrites.trained.to(total.device)
+    bonus = formatted.clone()
+    for g in torch.unique(groups).tolist():
+        rows = (groups.to(total.device) == g) & trained
+        members = groups.to(total.device) == g
+        bonus[members & ~trained] = formatted[rows].mean() if bool(rows.any()) else 0.0
+    logs = {
+        **logs,
+        "refiner_format": torch.where(trained, formatted, torch.full_like(formatted, float("nan"))),
+    }
+    return total + settings.format_reward * bonus, logs
 
 
 def rollout_stage(parts: RolloutParts, precision, strategy, sampler_settings, old_weights=None):

@@ -24,6 +24,7 @@ class Rollout:
     logs: dict[str, torch.Tensor]  # every logged score per sample (NaN where one does not apply)
     stage_metrics: dict[str, float]  # times, NFE and Sol-RL diagnostics of this process
     nfe: int  # transformer evaluations of this process
+    rewrites: object = None  # PromptRL: the refiner's Rewrites the images were rendered from
 
     @property
     def is_tree(self) -> bool:

@@ -36,6 +36,7 @@ from diffrl.training.data import plan_step
 from diffrl.training.ema import EMA, OldPolicy
 from diffrl.training.metrics import MetricsLogger
 from diffrl.training.plan import derive, format_plan
+from diffrl.training.refiner_update import RefinerUpdater
 from diffrl.training.replay_watch import ReplayGapWatch, replay_notes
 from diffrl.training.rollouts import RolloutParts, rollout_stage
 from diffrl.training.setup import avoid_cudnn_attention, make_accelerator, make_lr_scheduler
@@ -75,6 +76,7 @@ class Trainer:
             self.session.policy,
             self.session.reward_fn,
         )
+        self.refiner = self.session.refiner  # PromptRL's prompt refiner, or None
         # the FP8 flow patches the policy's layers in place (before compilation, so that the
         # compiled blocks trace the patched forwards); Sol-RL's exploration copy is made from
         # the whole, unsharded weights (before prepare)
@@ -132,6 +134,7 @@ class Trainer:
         a = cfg.advantage
         history = a.estimator == "prompt_history"  # DDPO's per-prompt statistics, checkpointed
         self.prompt_history = PromptHistory(a.history_size, a.history_min_count, a.eps) if history else None
+        self.refiner_updater = self._refiner_updater(cfg)
         self._register_checkpoint_state()
         self.updater = Updater(
             self.acc,
@@ -157,10 +160,20 @@ class Trainer:
             cfg.seed,
             cfg.rollout.prompts_per_step,
             cfg.rollout.group_size,
+            self.refiner,
+            cfg.refiner,
         )
         # DiffusionNFT's reference samples with its old (EMA) policy: objective.args.sample_with old
         old = self.old_policy.swapped_in if self.samples_with_old_policy() else None
         self.rollouts = rollout_stage(parts, self.precision, self.strategy, self.sampler_settings, old)
+
+    def _refiner_updater(self, cfg: Config) -> RefinerUpdater | None:
+        """PromptRL's LM step (``refiner.train``), or None."""
+        if self.refiner is None or not cfg.refiner.train:
+            return None
+        return RefinerUpdater(
+            self.acc, self.refiner, cfg.refiner, cfg.train.micro_batch_size, cfg.optim.max_grad_norm
+        )
 
     def _register_checkpoint_state(self) -> None:
         """Every piece of state a checkpoint holds, registered with accelerate in the order
@@ -168,7 +181,13 @@ class Trainer:
         files by position; readers find the EMA by it)."""
         state = {"scheduler": self.scheduler, "counters": self.counters, "ema": self.ema}
         state["old_policy"], state["prompt_history"] = self.old_policy, self.prompt_history
-        present = (self.ema is not None, self.old_policy is not None, self.prompt_history is not None)
+        state["refiner"] = self.refiner_updater
+        present = (
+            self.ema is not None,
+            self.old_policy is not None,
+            self.prompt_history is not None,
+            self.refiner_updater is not None,
+        )
         for name in checkpoints.registered(*present):
             self.acc.register_for_checkpointing(state[name])
         ckpt.install_accelerate_hooks(self.acc)
@@ -321,11 +340,16 @@ class Trainer:
             self.counters.skipped_nonfinite_reward += 1
         else:
             clock = StageClock(self.acc.device)
-            with clock.stage("update"):
-                # every process runs the same passes, so the same statistics' keys
-                with self.precision.phase("train"):
-                    update_metrics = self.updater.run(r.traj, r.cond, credit, step)
-                metrics.update(self.across_processes(update_metrics))
+            if self.cfg.refiner.train_flow:
+                with clock.stage("update"):
+                    # every process runs the same passes, so the same statistics' keys
+                    with self.precision.phase("train"):
+                        update_metrics = self.updater.run(r.traj, r.cond, credit, step)
+                    metrics.update(self.across_processes(update_metrics))
+            if self.refiner_updater is not None:  # PromptRL: the LM from the same advantages
+                with clock.stage("refiner_update"):
+                    lm_metrics = self.refiner_updater.run(r.rewrites, credit.advantages, credit.keep)
+                    metrics.update(self.across_processes(lm_metrics))
             metrics.update(self.across_processes(clock.metrics))
         if self.old_policy is not None:
             # DiffusionNFT's schedule is a function of the optimizer steps completed so far
@@ -407,7 +431,9 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(progress_fields(history[-1]))
             if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                ckpt.save_checkpoint(self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep, self.ema)
+                ckpt.save_checkpoint(
+                    self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep, self.ema, self.refiner
+                )
         bar.close()
         self.acc.wait_for_everyone()
         self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
