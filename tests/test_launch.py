@@ -209,6 +209,34 @@ def test_two_gloo_processes_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_refiner_over_two_gloo_processes_equals_one_process(tmp_path):
+    """PromptRL over gloo: one group of 4 split over 2 processes draws the rewrites one
+    process draws (each process samples the whole group and takes its members), and the LM's
+    gradient averaged over the processes is the one-process gradient: the refiner's trained
+    weights and the flow model's agree after one step."""
+    common = [TRAIN, "--config", "tiny_flux_flowgrpo", "--set", "train.max_steps=1", "--set", "checkpoint.every=1",
+              "--set", "rollout.prompts_per_step=1", "--set", "rollout.group_size=4", "--set", "rollout.batch_size=1",
+              "--set", "train.gradient_accumulation=1", "--set", "refiner.model=tiny", "--set", "refiner.lr=1e-2",
+              "--set", "refiner.max_new_tokens=6"]  # fmt: skip
+    runs = {}
+    for n, micro in (("1", "4"), ("2", "2")):
+        out = tmp_path / f"p{n}"
+        done = _run(TORCHRUN + [n, *common, "--set", f"train.micro_batch_size={micro}", "--set", f"output_dir={out}"],
+                    ACCELERATE_USE_CPU="true")  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[n] = out
+    r1, r2 = _rows(runs["1"])[-1], _rows(runs["2"])[-1]
+    assert r1["refiner/optimizer_steps"] == r2["refiner/optimizer_steps"] == 1 and r1["refiner/grad_norm"] > 0
+    for key in ("reward/mean", "reward/std", "refiner/tokens_per_rewrite", "refiner/grad_norm"):
+        assert r1[key] == pytest.approx(r2[key], rel=1e-5, abs=1e-9), key
+    for file in ("refiner/trained.safetensors", "trainable.safetensors"):
+        w1 = load_file(str(runs["1"] / "checkpoints" / "step-1" / file))
+        w2 = load_file(str(runs["2"] / "checkpoints" / "step-1" / file))
+        for name in w1:
+            torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_two_gloo_processes_grow_the_same_trees_as_one(tmp_path):
     """BranchGRPO over gloo: each process holds whole trees; one tree per process gives
     the same rewards and updated weights as both trees in one process (every edge in the

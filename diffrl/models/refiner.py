@@ -99,22 +99,33 @@ class PromptRefiner:
         return next(self.lm.parameters()).device
 
     # -- sampling ----------------------------------------------------------------------------
-    def rewrite(self, prompts: list[str], keys: list[tuple], greedy: bool = False, keep=None) -> Rewrites:
-        """One rewrite per prompt (consecutive equal prompts are one group, sampled together),
-        drawn from generators seeded by each group's first key; ``greedy`` decodes the most
-        likely rewrite (evaluation, as UniRL evaluates). ``keep[i]`` renders prompt i as it is."""
+    def rewrite(
+        self, prompts: list[str], keys: list[tuple], greedy: bool = False, keep=None, group_size: int | None = None
+    ) -> Rewrites:
+        """One rewrite per prompt; ``greedy`` decodes the most likely one (evaluation, as
+        UniRL evaluates), ``keep[i]`` renders prompt i as it is.
+
+        With ``group_size`` (training: keys ``(seed, iteration, group, member)``) each group's
+        ``group_size`` rewrites are sampled together from a generator seeded by the group's
+        key, and a sample takes its member's row: a process holding part of a group draws
+        the rewrites one process holding all of it draws. Without it (evaluation), each run
+        of equal consecutive prompts is sampled together, seeded by its first key."""
         keep = keep if keep is not None else [False] * len(prompts)
-        pieces = []
-        for start, stop in _runs(prompts):
-            pieces.append(self._rewrite_group(prompts[start], keys[start], stop - start, greedy))
+        rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # (request ids, completion ids) per sample
+        for start, stop in _runs(prompts, keys if group_size else None):
+            if group_size:
+                request_ids, drawn = self._rewrite_group(prompts[start], keys[start][:-1], group_size, greedy)
+                rows += [(request_ids, drawn[key[-1]]) for key in keys[start:stop]]
+            else:
+                request_ids, drawn = self._rewrite_group(prompts[start], keys[start], stop - start, greedy)
+                rows += [(request_ids, ids) for ids in drawn]
         texts, seqs, completion, formatted = [], [], [], []
-        for request_ids, completions in pieces:
-            for ids in completions:
-                text, ok = T.read_answer(self.settings.template, self._decode(ids))
-                texts.append(text)
-                formatted.append(float(ok))
-                seqs.append(torch.cat([request_ids, ids]))
-                completion.append(torch.cat([torch.zeros(len(request_ids), dtype=torch.bool), ids != -1]))
+        for request_ids, ids in rows:
+            text, ok = T.read_answer(self.settings.template, self._decode(ids))
+            texts.append(text)
+            formatted.append(float(ok))
+            seqs.append(torch.cat([request_ids, ids]))
+            completion.append(torch.cat([torch.zeros(len(request_ids), dtype=torch.bool), ids != -1]))
         texts = [p if k else t for p, t, k in zip(prompts, texts, keep)]
         sequences, mask = self._pad(seqs, completion)
         trained = torch.tensor([not k for k in keep])
@@ -215,11 +226,17 @@ class PromptRefiner:
         self.tokenizer.save_pretrained(folder)
 
 
-def _runs(prompts: list[str]) -> list[tuple[int, int]]:
-    """(start, stop) of each run of equal consecutive prompts (a group)."""
+def _runs(prompts: list[str], keys=None) -> list[tuple[int, int]]:
+    """(start, stop) of each run of consecutive samples of one group: equal prompts, and
+    with ``keys``, one group key (the key without its member index)."""
+
+    def same(i: int, j: int) -> bool:
+        equal = prompts[i] == prompts[j] and type(prompts[i]) is type(prompts[j])
+        return equal and (keys is None or keys[i][:-1] == keys[j][:-1])
+
     runs, start = [], 0
     for i in range(1, len(prompts) + 1):
-        if i == len(prompts) or prompts[i] != prompts[start] or type(prompts[i]) is not type(prompts[start]):
+        if i == len(prompts) or not same(i, start):
             runs.append((start, i))
             start = i
     return runs

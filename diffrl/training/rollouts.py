@@ -123,7 +123,7 @@ def refine(p: RolloutParts, local, clock):
         return None
     keep = [key[-1] < p.refiner_settings.keep_original for key in local.keys]
     with clock.stage("refine"), torch.no_grad():
-        return p.refiner.rewrite(local.prompts, local.keys, keep=keep)
+        return p.refiner.rewrite(local.prompts, local.keys, keep=keep, group_size=p.group_size)
 
 
 def with_format_reward(total, logs, rewrites, groups, settings):

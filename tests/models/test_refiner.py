@@ -149,3 +149,15 @@ def test_the_shipped_shapeworld_refiner_loads_with_the_code_s_vocabulary_and_rew
     assert shipped.tokenizer.get_vocab() == refiner_tokenizer().get_vocab()
     (text,) = shipped.rewrite(["a crimson box"], [("t", 0)], greedy=True).texts
     assert text and set(text.split()) <= set(refiner_tokenizer().get_vocab())
+
+
+def test_a_process_holding_part_of_a_group_draws_that_part_of_the_whole_group_s_rewrites(refiner):
+    """Training keys (seed, iteration, group, member): members 2-3 of a group of 4 rewritten
+    alone (the second of two processes) are rows 2-3 of the group rewritten whole."""
+    prompts, keys = ["a red circle"] * 4, [(0, 7, 0, i) for i in range(4)]
+    whole = refiner.rewrite(prompts, keys, group_size=4)
+    part = refiner.rewrite(prompts[2:], keys[2:], group_size=4)
+    assert part.texts == whole.texts[2:]
+    width = part.sequences.shape[1]
+    assert torch.equal(part.sequences, whole.sequences[2:, :width])
+    torch.testing.assert_close(part.old_logprobs, whole.old_logprobs[2:, :width], rtol=0, atol=1e-6)
