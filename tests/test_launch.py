@@ -214,15 +214,15 @@ def test_the_refiner_over_two_gloo_processes_equals_one_process(tmp_path):
     process draws (each process samples the whole group and takes its members), and the LM's
     gradient averaged over the processes is the one-process gradient: the refiner's trained
     weights and the flow model's agree after one step."""
-    common = [TRAIN, "--config", "tiny_flux_flowgrpo", "--set", "train.max_steps=1", "--set", "checkpoint.every=1",
-              "--set", "rollout.prompts_per_step=1", "--set", "rollout.group_size=4", "--set", "rollout.batch_size=1",
-              "--set", "train.gradient_accumulation=1", "--set", "refiner.model=tiny", "--set", "refiner.lr=1e-2",
-              "--set", "refiner.max_new_tokens=6"]  # fmt: skip
+    sets = ["train.max_steps=1", "checkpoint.every=1", "rollout.prompts_per_step=1", "rollout.group_size=4",
+            "rollout.batch_size=1", "train.gradient_accumulation=1", "refiner.model=tiny", "refiner.lr=1e-2",
+            "refiner.max_new_tokens=6"]  # fmt: skip
+    common = [TRAIN, "--config", "tiny_flux_flowgrpo", *[a for s in sets for a in ("--set", s)]]
     runs = {}
     for n, micro in (("1", "4"), ("2", "2")):
         out = tmp_path / f"p{n}"
-        done = _run(TORCHRUN + [n, *common, "--set", f"train.micro_batch_size={micro}", "--set", f"output_dir={out}"],
-                    ACCELERATE_USE_CPU="true")  # fmt: skip
+        own = ["--set", f"train.micro_batch_size={micro}", "--set", f"output_dir={out}"]
+        done = _run(TORCHRUN + [n, *common, *own], ACCELERATE_USE_CPU="true")
         assert done.returncode == 0, done.stderr[-3000:]
         runs[n] = out
     r1, r2 = _rows(runs["1"])[-1], _rows(runs["2"])[-1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,14 @@ class PromptRefiner:
                 target_modules="all-linear",
                 lora_dropout=0.0,
             )
-            with tiny.seeded(seed):  # peft draws LoRA's A from the global generator
+            with (
+                tiny.seeded(seed),
+                warnings.catch_warnings(),
+            ):  # peft draws LoRA's A from the global generator
+                # peft asks transformers' deprecated is_gradient_checkpointing: not the user's to fix
+                warnings.filterwarnings(
+                    "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+                )
                 lm = get_peft_model(lm, lora)
             for p in lm.parameters():  # LoRA weights train in fp32 whatever the base's dtype
                 if p.requires_grad:
@@ -100,7 +108,12 @@ class PromptRefiner:
 
     # -- sampling ----------------------------------------------------------------------------
     def rewrite(
-        self, prompts: list[str], keys: list[tuple], greedy: bool = False, keep=None, group_size: int | None = None
+        self,
+        prompts: list[str],
+        keys: list[tuple],
+        greedy: bool = False,
+        keep=None,
+        group_size: int | None = None,
     ) -> Rewrites:
         """One rewrite per prompt; ``greedy`` decodes the most likely one (evaluation, as
         UniRL evaluates), ``keep[i]`` renders prompt i as it is.

@@ -193,3 +193,18 @@ def test_a_missing_local_model_folder_gets_the_family_s_download_into_that_folde
     assert "stable-diffusion-3.5-large" in PF.command(sd3) and "stable-diffusion-3.5-medium" in PF.command(
         sd3
     )
+
+
+def test_the_refiner_lm_is_listed_with_its_tokenizer_and_chat_template(tmp_path, monkeypatch):
+    """PromptRL's refiner: a hub LM is one need with its weights, tokenizer and chat
+    template; a missing local folder names the folder; the shipped and tiny ones need nothing."""
+    monkeypatch.setenv("DIFFRL_DATA", str(tmp_path / "data"))
+    needs = PF.gather(load_config("flux_promptrl"))
+    (lm,) = [n for n in needs if "refiner.model" in n.what]
+    assert lm.repo == "Qwen/Qwen2.5-VL-3B-Instruct" and {"*.safetensors", "*.json", "*.jinja"} <= set(
+        lm.includes
+    )
+    (local,) = PF.refiner_needs(load_config("flux_promptrl", [f"refiner.model={tmp_path / 'qwen'}"]))
+    assert local.path == str(tmp_path / "qwen") and not PF.check(local)
+    assert f"--local-dir {tmp_path / 'qwen'}" in local.fix
+    assert PF.refiner_needs(load_config("toy_promptrl")) == []
