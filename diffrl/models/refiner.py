@@ -80,14 +80,10 @@ class PromptRefiner:
                 target_modules="all-linear",
                 lora_dropout=0.0,
             )
-            with (
-                tiny.seeded(seed),
-                warnings.catch_warnings(),
-            ):  # peft draws LoRA's A from the global generator
-                # peft asks transformers' deprecated is_gradient_checkpointing: not the user's to fix
-                warnings.filterwarnings(
-                    "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-                )
+            # peft draws LoRA's A from the global generator, and asks transformers' deprecated
+            # is_gradient_checkpointing (a warning that is not the user's to act on)
+            with tiny.seeded(seed), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
                 lm = get_peft_model(lm, lora)
             for p in lm.parameters():  # LoRA weights train in fp32 whatever the base's dtype
                 if p.requires_grad:
