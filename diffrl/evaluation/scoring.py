@@ -239,7 +239,11 @@ def _pictures(first, reward: str, sheet_path, media) -> None:
     images = torch.stack([x.image for x in first])
     logs = {name: torch.tensor([x.scores[name] for x in first]) for name in first[0].scores}
     keys = [x.sample.key for x in first]
-    prompts = [x.sample.prompt for x in first]
+    # a sample rendered from other text (a refiner's rewrite) shows it after its prompt
+    prompts = [
+        x.sample.prompt if x.sample.rendered is None else f"{x.sample.prompt} [{x.sample.rendered}]"
+        for x in first
+    ]
     if sheet_path is not None:
         _save_sheet(sheet_path, images, logs[reward], keys, prompts)
     if media is not None:
