@@ -52,12 +52,22 @@ def rollouts_to(rows: list[dict], target: float, window: int = 5) -> int | None:
     return None
 
 
+def evaluations_to(evals: list[dict], key: str, target: float) -> int | None:
+    """Rollouts spent at the first evaluation where ``key`` reaches ``target`` (None: never)."""
+    for row in evals:
+        if row.get(key) is not None and row[key] >= target:
+            return row["step"] * ROLLOUTS_PER_ITERATION
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--seeds", nargs="+", default=["0", "1", "2"])
     p.add_argument("--arms", nargs="+", default=["flow_only", "promptrl"])
     p.add_argument("--target", type=float, default=0.85)
+    p.add_argument("--strict-target", type=float, default=0.8, help="held-out strict to reach")
+    p.add_argument("--para-target", type=float, default=0.25, help="paraphrases' strict to reach")
     args = p.parse_args(argv)
     for arm in args.arms:
         runs = [rows_of(args.out / f"{arm}-s{s}" / "metrics.jsonl") for s in args.seeds]
@@ -76,6 +86,10 @@ def main(argv=None) -> int:
         steps = sorted({e[-1]["step"] for e in evals if e})
         needed = [rollouts_to(run, args.target) for run in runs]
         print(f"\nlast evaluation at step {steps}; rollouts to a training reward of {args.target}: {needed}")
+        for key, target in (("eval/shapeworld_strict/mean", args.strict_target),
+                            ("eval_para/shapeworld_strict/mean", args.para_target)):  # fmt: skip
+            reached = [evaluations_to(e, key, target) for e in evals]
+            print(f"rollouts to {key} >= {target} (at an evaluation): {reached}")
     return 0
 
 

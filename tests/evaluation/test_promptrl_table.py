@@ -28,3 +28,10 @@ def test_cells_are_mean_and_sd_over_seeds_and_rollouts_to_target_use_a_running_m
     out = capsys.readouterr().out
     assert "| held-out strict | 0.350 ± 0.071 (eval SE 0.030) | 0.850 ± 0.071 (eval SE 0.020) |" in out
     assert "[2304, None]" in out
+
+
+def test_rollouts_to_an_evaluation_target_are_the_first_evaluation_reaching_it():
+    table = load_script("promptrl_table")
+    evals = [{"step": 0, "k": 0.1}, {"step": 50, "k": 0.5}, {"step": 100, "k": 0.9}]
+    assert table.evaluations_to(evals, "k", 0.5) == 50 * 256
+    assert table.evaluations_to(evals, "k", 0.95) is None
