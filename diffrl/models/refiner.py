@@ -293,8 +293,15 @@ def load_lm(settings):
 
 
 def tiny_refiner_lm(hidden: int = 32, layers: int = 2, seed: int = 0):
-    """A random Llama-architecture LM over the refiner's word-level tokenizer (the tiny
-    twin: real transformers and peft classes, seconds on a CPU)."""
+    """The refiner's tiny twin: a random :func:`word_refiner_lm` (real transformers and peft
+    classes, seconds on a CPU)."""
+    return word_refiner_lm(hidden, layers, heads=4, seed=seed)
+
+
+def word_refiner_lm(hidden: int, layers: int, heads: int, seed: int):
+    """(a random Llama-architecture LM, the refiner's word-level tokenizer): the
+    architecture of the tiny twin and of the ShapeWorld refiner (``toy/refiner_pretrain.py``),
+    its weights drawn from ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from diffrl.models import tiny
@@ -306,8 +313,8 @@ def tiny_refiner_lm(hidden: int = 32, layers: int = 2, seed: int = 0):
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-from diffrl.models import tiny
 from rewards.shapeworld import grammar
-from rewards.shapeworld.paraphrase import STYLES, paraphrase
+from rewards.shapeworld.paraphrase import CONVERSE, STYLES, paraphrase
 
 FORMS = ("caption",) + STYLES
 
@@ -79,26 +78,10 @@ def encode_batch(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor,
 
 
 def build_lm(cfg: RefinerPretrainConfig):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """(the LM, its tokenizer) before pretraining: the refiner's architecture at ``cfg``'s size."""
+    from diffrl.models.refiner import word_refiner_lm
 
-    from diffrl.models.refiner_words import refiner_tokenizer
-
-    tokenizer = refiner_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden,
-        intermediate_size=2 * cfg.hidden,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.heads,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    with tiny.seeded(cfg.seed):
-        return LlamaForCausalLM(config), tokenizer
+    return word_refiner_lm(cfg.hidden, cfg.layers, cfg.heads, cfg.seed)
 
 
 def pretrain(cfg: RefinerPretrainConfig, log=print) -> dict:
@@ -177,15 +160,13 @@ def _share(texts: list[str], captions: list[str]) -> float:
     for text, caption in zip(texts, captions):
         if _parses(text):
             a, b = grammar.parse(text), grammar.parse(caption)
-            converse = {"above": "below", "below": "above", "to the left of": "to the right of"}
-            converse["to the right of"] = "to the left of"
             same += (
                 a == b
                 or (a.kind == b.kind == "pair" and set(a.groups) == set(b.groups))
                 or (
                     a.kind == b.kind == "relation"
                     and a.groups == b.groups[::-1]
-                    and a.relation == converse[b.relation]
+                    and a.relation == CONVERSE[b.relation]
                 )
             )
     return same / len(texts)
