@@ -1,32 +1,33 @@
-"""Rewards scored by another process: a wire format, a batching HTTP server, and the
-``remote`` reward that calls it.
+"""Rewards scored by another process: a wire format and the ``remote`` reward that sends
+batches to a reward service (:mod:`rewards.serve_ray`, Ray Serve).
 
 Reward models often want their own GPU, their own environment (GenEval's detector stack)
-or their own machine (a VLM judge behind vLLM or SGLang needs no server of ours:
-``vlm_judge`` with ``backend: openai``, :mod:`rewards.vlm_openai`); flow_grpo, verl-omni and UniRL all serve
-rewards from a separate process. ``scripts/serve_rewards.py --reward NAME`` serves any
-registered reward; a config entry ``{name: remote, args: {url: http://HOST:PORT}}`` scores
-through it. The wire carries the images as a safetensors tensor (``wire_dtype`` float32 by
-default, so scores equal the in-process ones; uint8 or float16 to save bandwidth) and the
-prompts as JSON; an :class:`~rewards.prompts.EditPrompt` travels as its text and its image
-path, which must then be readable on the server's machine.
+or their own machine (a VLM judge behind vLLM or SGLang needs no service of ours:
+``vlm_judge`` with ``backend: openai``, :mod:`rewards.vlm_openai`); flow_grpo, verl-omni and
+UniRL all serve rewards from a separate process. ``diffrl-serve --reward NAME`` deploys any
+registered reward on Ray Serve; a config entry ``{name: remote, args: {url:
+http://HOST:PORT}}`` scores through its HTTP proxy, or ``{name: remote, args: {app:
+reward-NAME}}`` through a Serve handle from a process inside the same Ray cluster (the same
+bytes, without the HTTP hop). The wire carries the images as a safetensors tensor
+(``wire_dtype`` float32 by default, so scores equal the in-process ones; uint8 or float16
+to save bandwidth) and the prompts as JSON; an :class:`~rewards.prompts.EditPrompt` travels
+as its text and its image path, which must then be readable on the service's machine.
 
-Failures are never a silent zero: a server that is down or too slow is retried ``retries``
-times with a doubling pause, then raises :class:`RemoteRewardError` naming the URL, what
-went wrong and the fix; an answer that is garbage (not JSON, wrong keys, wrong length) or a
-server's own error raises at once.
+Failures are never a silent zero: a service that is down, too slow, or loses the replica a
+batch was on (a 500 without the protocol's ``X-Diffrl-Error``) is retried ``retries`` times
+with a doubling pause, then raises :class:`RemoteRewardError` naming the URL, what went
+wrong and the fix; an answer that is garbage (not JSON, wrong keys, wrong length) or the
+reward's own error raises at once.
 
-Overload (the server's side is in :mod:`rewards.serve`): each batch carries a request id
-(``X-Request-Id``, the same on every retry and every server) and the seconds this try will
-wait (``X-Request-Timeout``), so a retry after a read timeout goes back to the same server
-and attaches to the job still queued there instead of queuing a second copy, and a job
-nobody waits for any more is dropped unscored. ``urls: [...]`` spreads batches over several
-servers: each goes to the least-loaded one (images this client has in flight there plus the
-queue it last reported); one that refuses a connection or drops it is skipped for
-``revive_after`` seconds and the batch goes to another at once (no pause, no try used); one
-that answers 503 busy is left alone for its ``Retry-After`` while the others take the work,
-and when every server is busy the client waits that long and sends again, within the try's
-``timeout``: a queue that stays full longer is a failed try, like a timeout.
+Every batch carries a request id (``X-Request-Id``, the same on every try) and the seconds
+this try waits (``X-Request-Timeout``), so a retry is scored once however many replicas saw
+it (:mod:`rewards.request_ledger`), and a job nobody waits for any more is dropped unscored.
+Balancing over replicas is Ray Serve's; ``urls: [...]`` lists several entry points (proxies
+of one cluster, or separate services of the same reward): batches go to them in turn, one
+that refuses or drops a connection is skipped for ``revive_after`` seconds and the batch
+goes to another at once (no pause, no try used), and one that answers 503 (back-pressure)
+is left alone for its ``Retry-After`` while the others take the work; when every one is
+busy the client waits that long and sends again, within the try's ``timeout``.
 """
 
 from __future__ import annotations
@@ -106,18 +107,20 @@ def encode_scores(scores: dict[str, torch.Tensor], name: str) -> bytes:
 
 # -- the client ----------------------------------------------------------------------------
 class RemoteReward:
-    """Registered as ``remote``: POSTs each batch to a reward server's ``/score`` (``url``),
-    or to the least-loaded of several (``urls``), failing over when one dies.
+    """Registered as ``remote``: sends each batch to a reward service's ``/score`` over HTTP
+    (``url``, or several entry points in turn, ``urls``) or through a Ray Serve handle
+    (``app``, from a process in the same Ray cluster: ``ray_address``, default ``auto``).
 
     With ``overlap`` (the default) the trainer sends each rollout chunk as soon as it is
-    decoded (:meth:`submit`), so the server scores while the next chunk denoises.
+    decoded (:meth:`submit`), so the service scores while the next chunk denoises.
 
-    The optimised score is the served reward's own (its name is fetched from every server's
-    ``/info`` at start-up, which also fails fast when nothing listens at a URL or two servers
-    serve different rewards); the served reward's other scores are logged under their own
-    names. ``check_prompts`` asks a server, so a prompt the served reward cannot score fails
-    at start-up as it would in-process. ``stats`` counts requests sent, retries (tries after
-    the first), busy (503 answers: a full queue or a stopping server), failovers and timeouts.
+    The optimised score is the served reward's own (its name is fetched from every entry
+    point's ``/info`` at start-up, which also fails fast when nothing listens or two entry
+    points serve different rewards); the served reward's other scores are logged under
+    their own names. ``check_prompts`` asks the service, so a prompt the served reward cannot
+    score fails at start-up as it would in-process. ``stats`` counts requests sent, retries
+    (tries after the first), busy (503 answers), failovers, lost (a replica lost mid-request)
+    and timeouts.
     """
 
     name = "remote"
@@ -132,6 +135,8 @@ class RemoteReward:
         overlap: bool = True,
         urls: list[str] | None = None,
         revive_after: float = 10.0,
+        app: str | None = None,
+        ray_address: str = "auto",
     ):
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(
@@ -139,8 +144,17 @@ class RemoteReward:
             )
         if not (timeout > 0 and retries >= 0 and backoff >= 0 and revive_after >= 0):
             raise ValueError("remote: timeout must be > 0, retries, backoff and revive_after >= 0")
-        self.urls = _server_urls(url, urls)
-        self.url = self.urls[0]  # the one server of a `url` config, and older callers' attribute
+        if app is not None:
+            if url is not None or urls is not None:
+                raise ValueError(
+                    "remote: give args.app (a Ray Serve handle) or args.url / args.urls, not both"
+                )
+            self.urls = [f"serve-app:{app}"]
+            self.handle = _ServeHandle(app, ray_address)
+        else:
+            self.urls = _server_urls(url, urls)
+            self.handle = None
+        self.url = self.urls[0]  # the one entry point of a `url` config, and older callers' attribute
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.wire_dtype = wire_dtype
         self.overlaps_rollout = bool(overlap)  # false: score after the rollout, as in-process rewards
@@ -169,7 +183,7 @@ class RemoteReward:
 
     def submit(self, images, prompts: list[str]):
         """Score in a background thread (a Future of ``__call__``'s dict): the request and the
-        server's scoring overlap whatever this process does next, e.g. the next rollout chunk."""
+        service's scoring overlap whatever this process does next, e.g. the next rollout chunk."""
         from concurrent.futures import ThreadPoolExecutor
 
         if getattr(self, "_pool", None) is None:
@@ -181,7 +195,7 @@ class RemoteReward:
         if len(prompts) != count:
             raise ValueError(f"remote: {count} images but {len(prompts)} prompts")
         body = encode_request(images, list(prompts), self.wire_dtype)
-        url, raw = self._exchange("/score", body, "application/octet-stream", uuid.uuid4().hex, count)
+        url, raw = self._exchange("/score", body, "application/octet-stream", uuid.uuid4().hex)
         scores = self._json(raw, ("reward", "scores"), url)["scores"]
         if not isinstance(scores, dict) or self.served not in scores:
             raise RemoteRewardError(
@@ -206,8 +220,8 @@ class RemoteReward:
         """POST with bounded retries (to ``pin`` only, if given); the answer's bytes."""
         return self._exchange(path, body, content_type, pin=pin)[1]
 
-    def _exchange(self, path, body, content_type, request_id=None, images=0, pin=None) -> tuple[str, bytes]:
-        """(the URL that answered, its bytes) after up to ``retries + 1`` tries with a
+    def _exchange(self, path, body, content_type, request_id=None, pin=None) -> tuple[str, bytes]:
+        """(the entry point that answered, its bytes) after up to ``retries + 1`` tries with a
         doubling pause between them; the last failure becomes one RemoteRewardError."""
         last, sticky = None, pin
         for attempt in range(self.retries + 1):
@@ -215,21 +229,20 @@ class RemoteReward:
                 self.servers.count("retries")
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                return self._try(path, body, content_type, request_id, images, sticky, pin)
+                return self._try(path, body, content_type, request_id, sticky, pin)
             except _TryFailed as failed:
-                # after a read timeout the job is still queued there: the retry must attach to it
                 last, sticky = failed, pin or failed.url
         where = pin or (self.url if len(self.urls) == 1 else f"{self.urls}")
         raise RemoteRewardError(
             f"reward server {where} did not answer {path} after {self.retries + 1} tries ({last}); "
-            "start it with `python scripts/serve_rewards.py --reward NAME --port PORT` or fix the "
-            f"reward's args.url / args.urls (timeout {self.timeout:g} s per try)"
+            "start it with `diffrl-serve --reward NAME --port PORT` or fix the reward's "
+            f"args.url / args.urls / args.app (timeout {self.timeout:g} s per try)"
         ) from None
 
-    def _try(self, path, body, content_type, request_id, images, url, pin) -> tuple[str, bytes]:
-        """One try, at most ``timeout`` seconds: 503 busy is waited out and a dead server is
-        failed over within it (to ``pin`` only, if given). Raises _TryFailed (worth another
-        try) or RemoteRewardError (not)."""
+    def _try(self, path, body, content_type, request_id, url, pin) -> tuple[str, bytes]:
+        """One try, at most ``timeout`` seconds: 503 busy is waited out and a dead entry point
+        is failed over within it (to ``pin`` only, if given). Raises _TryFailed (worth
+        another try) or RemoteRewardError (not)."""
         end, reason = time.monotonic() + self.timeout, "no time left"
         while True:
             wait = 0.0
@@ -238,66 +251,69 @@ class RemoteReward:
             left = end - time.monotonic()
             if left <= wait:
                 raise _TryFailed(reason, None)
-            if url is None:  # every server is busy: wait out the shortest Retry-After, then pick
+            if url is None:  # every entry point is busy: wait out the shortest Retry-After, then pick
                 time.sleep(wait * random.uniform(1.0, 1.25))  # spread out the clients coming back
                 continue
+            headers = {"Content-Type": content_type}
+            if request_id is not None:
+                headers.update({"X-Request-Id": request_id, "X-Request-Timeout": f"{max(left, 0.001):.3f}"})
+            self.servers.count("requests")
             try:
-                return url, self._send(url, path, body, content_type, request_id, images, left)
-            except urllib.error.HTTPError as err:
-                stopping, reason = self._refused(url, path, err)  # raises unless a 503
-                if stopping:
-                    self._failover(url, reason, pin)
+                status, answer_headers, payload = self._send(url, path, body, headers, left)
             except TimeoutError:
                 self.servers.count("timeouts")
                 raise _TryFailed(f"{url}: no answer within {left:.3g} s", url) from None
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-                self._failover(url, f"{url}: {getattr(err, 'reason', None) or type(err).__name__}", pin)
+            except _Unreachable as err:
+                self._failover(url, f"{url}: {err}", pin)
+                url = None
+                continue
+            if status == 200:
+                return url, payload
+            reason = self._refused(url, path, status, answer_headers, payload)  # raises unless busy
             url = None
 
+    def _send(self, url, path, body, headers, timeout) -> tuple[int, dict, bytes]:
+        """(status, lower-case headers, payload) from one entry point; raises TimeoutError
+        or _Unreachable."""
+        if self.handle is not None:
+            return self.handle.send(path, body, headers, timeout)
+        request = urllib.request.Request(url + path, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, _lower(response.headers), response.read()
+        except urllib.error.HTTPError as err:
+            with err:
+                return err.code, _lower(err.headers), err.read()
+        except TimeoutError:
+            raise
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+            if isinstance(getattr(err, "reason", None), TimeoutError):
+                raise TimeoutError from None
+            raise _Unreachable(getattr(err, "reason", None) or type(err).__name__) from None
+
     def _failover(self, url: str, reason: str, pin: str | None) -> None:
-        """A server that refused, dropped or is stopping: skip it; raise when none is left."""
+        """An entry point that refused or dropped the connection: skip it; raise when none is left."""
         self.servers.dead(url)
         if pin is not None or not self.servers.any_alive():
             raise _TryFailed(reason, None)
-        self.servers.count("failovers")  # the batch goes to another server with the same id
+        self.servers.count("failovers")  # the batch goes to another entry point with the same id
 
-    def _send(self, url, path, body, content_type, request_id, images, timeout) -> bytes:
-        headers = {"Content-Type": content_type}
-        if request_id is not None:
-            headers.update({"X-Request-Id": request_id, "X-Request-Timeout": f"{max(timeout, 0.001):.3f}"})
-        request = urllib.request.Request(url + path, data=body, headers=headers, method="POST")
-        self.servers.sent(url, images)
-        queued = None
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                queued = response.headers.get("X-Queue-Images")
-                return response.read()
-        except urllib.error.HTTPError as err:
-            queued = err.headers.get("X-Queue-Images")
-            raise
-        finally:
-            self.servers.answered(url, images, queued)
-
-    def _refused(self, url: str, path: str, err: urllib.error.HTTPError) -> tuple[bool, str]:
-        """(stopping, reason) of a 503, marking a busy server busy for its Retry-After; any
-        other status raises (a 504, the job dropped as expired, is worth a retry there)."""
-        detail = err.read().decode(errors="replace")[:300]
-        err.close()
-        if err.code == 504:
-            raise _TryFailed(f"{url}: {detail}", url)
-        if err.code != 503:  # the server's own error, not worth retrying
-            raise RemoteRewardError(f"reward server {url}{path} answered HTTP {err.code}: {detail}") from None
+    def _refused(self, url: str, path: str, status: int, headers: dict, payload: bytes) -> str:
+        """The reason of a 503 (back-pressure: that entry point is left alone for its
+        Retry-After); raises _TryFailed for what is worth another try (504: expired before
+        it was scored; a 500 from the engine, not the protocol: the replica was lost) and
+        RemoteRewardError for the rest (the reward's own error, a bad request)."""
+        detail = payload.decode(errors="replace")[:300]
+        if status == 504 or (status in (500, 502) and "x-diffrl-error" not in headers):
+            self.servers.count("lost" if status != 504 else "timeouts")
+            raise _TryFailed(f"{url}: HTTP {status}: {detail}", url)
+        if status != 503:
+            raise RemoteRewardError(f"reward server {url}{path} answered HTTP {status}: {detail}")
         self.servers.count("busy")
-        try:
-            stopping = json.loads(detail).get("error") == "stopping"
-        except (json.JSONDecodeError, AttributeError):
-            stopping = False
-        if stopping:
-            return True, f"{url}: 503, shutting down"
-        wait = err.headers.get("X-Retry-After-Ms")
-        wait = float(wait) / 1000 if wait else float(err.headers.get("Retry-After") or 1)
+        wait = headers.get("x-retry-after-ms")
+        wait = float(wait) / 1000 if wait else float(headers.get("retry-after") or 1)
         self.servers.busy(url, wait)
-        return False, f"{url}: 503 busy (queue full) until the try's {self.timeout:g} s ran out"
+        return f"{url}: 503 busy (queue full) until the try's {self.timeout:g} s ran out"
 
     def _json(self, raw: bytes, keys: tuple[str, ...], url: str | None = None) -> dict:
         url = url or self.url
@@ -315,18 +331,61 @@ class RemoteReward:
 
 class _TryFailed(Exception):
     """A try that is worth another: ``url`` is where the retry must go (its job may still be
-    queued there), None for any server."""
+    queued there), None for any entry point."""
 
     def __init__(self, reason: str, url: str | None):
         super().__init__(reason)
         self.url = url
 
 
+class _Unreachable(Exception):
+    """The connection was refused or dropped: the entry point is down (fail over)."""
+
+
+def _lower(headers) -> dict:
+    return {k.lower(): v for k, v in (headers or {}).items()}
+
+
+class _ServeHandle:
+    """The handle path: the same request bytes to the deployment's ``answer``, through Ray
+    (``ray.init(address=ray_address)`` unless this process is already connected)."""
+
+    def __init__(self, app: str, ray_address: str):
+        try:
+            import ray
+            from ray import serve
+        except ImportError:
+            raise ValueError("remote: args.app needs Ray Serve: pip install 'diffrl[serve]'") from None
+        if not ray.is_initialized():
+            ray.init(address=ray_address, log_to_driver=False)
+        try:
+            self.handle = serve.get_app_handle(app)
+        except Exception as err:  # Ray raises RayServeException for an unknown app
+            raise ValueError(
+                f"remote: no Ray Serve app {app!r} in this cluster ({err}); deploy it "
+                "with `diffrl-serve --reward NAME --address auto`"
+            ) from None
+
+    def send(self, path: str, body: bytes, headers: dict, timeout: float) -> tuple[int, dict, bytes]:
+        from ray import exceptions as ray_errors
+        from ray.serve.exceptions import BackPressureError
+
+        try:
+            out = self.handle.answer.remote("POST", path, body, headers).result(timeout_s=timeout)
+        except BackPressureError:
+            return 503, {}, b"busy: max_queued_requests reached"
+        except (ray_errors.GetTimeoutError, TimeoutError):
+            raise TimeoutError from None
+        except ray_errors.RayActorError as err:  # the replica died mid-request
+            return 500, {}, f"replica lost: {type(err).__name__}".encode()
+        return out.status, _lower(out.headers), out.payload
+
+
 def _server_urls(url, urls) -> list[str]:
     if (url is None) == (urls is None):
         raise ValueError(
-            "remote: give args.url (one server) or args.urls (a list of servers), "
-            f"exactly one of them (got url={url!r}, urls={urls!r})"
+            "remote: give args.url (one server), args.urls (a list of servers) or args.app "
+            f"(a Ray Serve handle), exactly one of them (got url={url!r}, urls={urls!r})"
         )
     if urls is None:
         urls = [url]
@@ -339,23 +398,20 @@ def _server_urls(url, urls) -> list[str]:
 
 
 class _Servers:
-    """Where the next batch goes: the least-loaded usable server (images this client has in
-    flight there plus the queue it last reported; ties in turn). A server that refused or
-    dropped a connection is skipped for ``revive_after`` s (tried anyway when all are);
-    one that answered 503 busy until its Retry-After. Thread-safe: ``submit`` sends chunks
-    from several threads."""
+    """Where the next batch goes: the entry points in turn, skipping one that refused or
+    dropped a connection for ``revive_after`` s (tried anyway when all have) and one that
+    answered 503 until its Retry-After. Thread-safe: ``submit`` sends chunks from several
+    threads. Balancing over replicas is Ray Serve's, behind each entry point."""
 
     def __init__(self, urls: list[str], revive_after: float):
         self.urls, self.revive_after, self.lock = urls, revive_after, threading.Lock()
-        self.inflight = dict.fromkeys(urls, 0)
-        self.reported = dict.fromkeys(urls, 0)
         self.dead_until = dict.fromkeys(urls, 0.0)
         self.busy_until = dict.fromkeys(urls, 0.0)
         self.turn = 0
-        self.stats = dict(requests=0, retries=0, busy=0, failovers=0, timeouts=0)
+        self.stats = dict(requests=0, retries=0, busy=0, failovers=0, lost=0, timeouts=0)
 
     def pick(self, only: str | None = None) -> tuple[str | None, float]:
-        """(a server, 0), or (None, seconds until the first busy one takes work again)."""
+        """(an entry point, 0), or (None, seconds until the first busy one takes work again)."""
         now, urls = time.monotonic(), [only] if only else self.urls
         with self.lock:
             alive = [u for u in urls if self.dead_until[u] <= now]
@@ -365,24 +421,12 @@ class _Servers:
             if not free:
                 return None, min(self.busy_until[u] for u in alive) - now
             self.turn += 1
-            order = {u: (i - self.turn) % len(urls) for i, u in enumerate(urls)}
-            return min(free, key=lambda u: (self.inflight[u] + self.reported[u], order[u])), 0.0
+            return free[self.turn % len(free)], 0.0
 
     def any_alive(self) -> bool:
         now = time.monotonic()
         with self.lock:
             return any(self.dead_until[u] <= now for u in self.urls)
-
-    def sent(self, url: str, images: int) -> None:
-        with self.lock:
-            self.inflight[url] += images
-            self.stats["requests"] += 1
-
-    def answered(self, url: str, images: int, queued: str | None) -> None:
-        with self.lock:
-            self.inflight[url] -= images
-            if queued is not None and queued.isdigit():
-                self.reported[url] = int(queued)
 
     def dead(self, url: str) -> None:
         with self.lock:

@@ -71,7 +71,7 @@ FLOORS = [
     ["diffrl/evaluation"],
     ["diffrl/training"],
     ["diffrl/perf", "diffrl/toy", "diffrl/cli.py"],
-    ["diffrl/train.py"],
+    ["diffrl/train.py", "diffrl/serve.py"],
 ]
 
 

@@ -1,6 +1,8 @@
-"""The reward server and the ``remote`` reward, on 127.0.0.1: the same scores as in
-process, batching across concurrent requests, and one clear error (after bounded retries)
-for a server that is down, slow or answers garbage; never a silent zero."""
+"""The ``remote`` reward against the service's protocol on 127.0.0.1 (tests/endpoint_server.py;
+Ray Serve itself is the slow tier's, tests/rewards/test_serve_ray.py): the same scores as in
+process, and one clear error (after bounded retries) for a service that is down, slow or
+answers garbage; a replica lost mid-request is retried with the same id, the reward's own
+error is not; never a silent zero."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from rewards import build
 from rewards.combine import MultiReward, RewardPromptError
 from rewards.prompts import AnnotatedPrompt, EditPrompt
 from rewards.remote import RemoteReward, RemoteRewardError, decode_request, encode_request
-from rewards.serve import serve
 from rewards.shapeworld import grammar
 from rewards.shapeworld.render import render
+from tests.endpoint_server import EndpointServer
 
 PROMPTS = ["a red circle and a blue square", "two green triangles", "a cyan square above a red circle"]
 
@@ -33,9 +35,9 @@ def _images(prompts, seed=0):
 
 @pytest.fixture
 def shapeworld_server():
-    server = serve(build("shapeworld"), "shapeworld", max_wait_ms=200)
-    yield f"http://127.0.0.1:{server.server_address[1]}", server
-    server.shutdown()
+    server = EndpointServer(build("shapeworld"), "shapeworld")
+    yield server.url, server
+    server.stop()
 
 
 def test_remote_scores_equal_in_process_scores(shapeworld_server):
@@ -63,28 +65,6 @@ def test_the_wire_keeps_edit_prompts_their_images_and_metadata(tmp_path):
     assert back[2].metadata == meta and not hasattr(back[1], "metadata")  # GenEval lines keep their fields
 
 
-def test_concurrent_requests_are_scored_in_one_batch(shapeworld_server):
-    url, server = shapeworld_server
-    reward, images = RemoteReward(url), _images(PROMPTS)
-    before = server.scorer.batches
-    results = [None, None]
-    barrier = threading.Barrier(2)
-
-    def request(i):
-        barrier.wait()
-        results[i] = reward(images[i : i + 2], PROMPTS[i : i + 2])
-
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    local = build("shapeworld")(images, PROMPTS)["shapeworld"]
-    torch.testing.assert_close(results[0]["remote"], local[:2])
-    torch.testing.assert_close(results[1]["remote"], local[1:3])
-    assert server.scorer.batches - before == 1  # both requests in one scoring call (200 ms window)
-
-
 def test_prompts_the_served_reward_refuses_fail_at_start_up(shapeworld_server):
     from diffrl.config import RewardSpec
 
@@ -101,8 +81,10 @@ def _stub(handler_body):
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            status, payload = handler_body(self)
+            status, payload, *headers = handler_body(self)
             self.send_response(status)
+            for key, value in (headers[0] if headers else {}).items():
+                self.send_header(key, value)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -120,9 +102,7 @@ def test_a_server_that_is_down_is_one_clear_error_after_bounded_retries():
     server.shutdown()
     server.server_close()
     start = time.perf_counter()
-    with pytest.raises(
-        RemoteRewardError, match=r"did not answer /info after 3 tries.*serve_rewards.py --reward"
-    ):
+    with pytest.raises(RemoteRewardError, match=r"did not answer /info after 3 tries.*diffrl-serve --reward"):
         RemoteReward(url, retries=2, backoff=0.05)
     assert time.perf_counter() - start < 5  # 0.05 + 0.1 s of pauses, not an endless wait
 
@@ -144,19 +124,57 @@ def test_a_slow_server_times_out_and_garbage_is_named():
         "not json": (200, b"hello"),
         "short": (200, b'{"reward": "r", "scores": {"r": [0.5]}}'),
         "nan": (200, b'{"reward": "r", "scores": {"r": [NaN, 1.0]}}'),
-        "http error": (500, b"RuntimeError: CUDA out of memory"),
+        "http error": (500, b'{"error": "RuntimeError: CUDA out of memory"}', {"X-Diffrl-Error": "reward"}),
     }
     expected = {
         "not json": "not JSON",
         "short": r"answered 'r' with 1 values for 2 images",
         "nan": "non-finite 'r' scores",
-        "http error": "HTTP 500: RuntimeError: CUDA out of memory",
+        "http error": r'answered HTTP 500: \{"error": "RuntimeError: CUDA out of memory"',
     }
     for case, answer in answers.items():
         server, url = _stub(lambda h, a=answer: (200, b'{"reward": "r"}') if h.path == "/info" else a)
         with pytest.raises(RemoteRewardError, match=expected[case]):
             RemoteReward(url, retries=0)(torch.rand(2, 3, 8, 8), ["x", "y"])
         server.shutdown()
+
+
+def test_a_lost_replica_is_retried_with_the_same_id_and_back_pressure_is_waited_out():
+    """A 500 that is not the protocol's (Ray Serve's proxy when a replica dies) and a 504
+    are retried, with the same request id; a 503 is waited out for its Retry-After within
+    the try; the reward's own error (marked X-Diffrl-Error) is not retried."""
+    answers = [
+        (503, b"Request dropped due to backpressure", {"Retry-After": "1"}),
+        (500, b"Internal Server Error"),
+        (504, b'{"error": "expired"}', {"X-Diffrl-Error": "expired"}),
+        (200, b'{"reward": "r", "scores": {"r": [0.5]}}'),
+    ]
+    seen = []
+
+    def scripted(h):
+        if h.path == "/info":
+            return 200, b'{"reward": "r"}'
+        seen.append((h.headers["X-Request-Id"], time.monotonic()))
+        return answers[len(seen) - 1]
+
+    server, url = _stub(scripted)
+    reward = RemoteReward(url, timeout=10, retries=2, backoff=0.01)
+    out = reward(torch.rand(1, 3, 8, 8), ["x"])
+    server.shutdown()
+    assert out["remote"].tolist() == [0.5]
+    assert len({rid for rid, _ in seen}) == 1 and len(seen) == 4  # one id on every try
+    assert seen[1][1] - seen[0][1] >= 0.95  # the 503's Retry-After was honoured
+    assert reward.stats["busy"] == 1 and reward.stats["lost"] == 1 and reward.stats["retries"] == 2
+
+    calls = []
+    marked = (500, b'{"error": "ValueError: bad prompt"}', {"X-Diffrl-Error": "reward"})
+    server, url = _stub(
+        lambda h: (200, b'{"reward": "r"}') if h.path == "/info" else calls.append(1) or marked
+    )
+    with pytest.raises(RemoteRewardError, match="bad prompt"):
+        RemoteReward(url, retries=3, backoff=0.01)(torch.rand(1, 3, 8, 8), ["x"])
+    server.shutdown()
+    assert calls == [1]
 
 
 def test_a_training_run_through_the_server_equals_the_in_process_run(shapeworld_server, tmp_path):
