@@ -1,18 +1,18 @@
 """Load benchmark of the reward service and the `remote` client on loopback: requests per
 second and latency percentiles with one replica, two, a queue too small for the load (503 +
-Retry-After), and one of two replicas killed (SIGKILL) halfway, on each engine side by side.
+Retry-After), and one of two replicas killed (SIGKILL) halfway.
 
     python scripts/bench_serve.py                  # jpeg_compressibility, 64 px, 4 images a request
     python scripts/bench_serve.py --reward shapeworld --latency-ms-per-image 4 --requests 400
 
-Engines: `ray` is `diffrl-serve` (Ray Serve on a local Ray in its own process: replicas
-behind Serve's proxy, its batching and back-pressure, the request ledger); `threads` is the
-hand-written server it replaced (one process per server, the client balancing between them),
-kept only while both are measured. Each client is a thread with its own `remote` reward
-(one per training process), sending its share of the requests one after another. Prints a
-markdown table. Every request must come back with its scores (a lost one stops the
-benchmark with an error); "scored / sent" is the service's own count of scored images, and
-"scored twice" the request ledger's count of ids recorded twice.
+The service is `diffrl-serve` (Ray Serve on a local Ray in its own process: replicas behind
+Serve's proxy, its batching and back-pressure, the request ledger). The hand-written threaded
+server it replaced was measured side by side with it at commit 217a61b (`--engines ray
+threads` there; docs/BENCHMARKS.md, "The reward service under load"). Each client is a
+thread with its own `remote` reward (one per training process), sending its share of the
+requests one after another. Prints a markdown table. Every request must come back with its
+scores (a lost one stops the benchmark with an error); "scored / sent" is the service's own
+count of scored images, and "scored twice" the request ledger's count of ids recorded twice.
 """
 
 from __future__ import annotations
@@ -32,22 +32,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# (name, replicas (servers for `threads`), queue in requests (None: the default), what
-# happens to one replica once half the requests are answered)
+# (name, replicas, queue in requests (None: the default), what happens to one replica once
+# half the requests are answered)
 SCENARIOS = {
     "one": ("1 replica", 1, None, None),
     "two": ("2 replicas", 2, None, None),
     "full": ("1 replica, queue of 2 requests", 1, 2, None),
     "kill": ("2 replicas, one killed (SIGKILL) halfway", 2, None, "kill"),
 }
-ENGINES = ("ray", "threads")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reward", default="jpeg_compressibility", help="a registered reward to serve")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    parser.add_argument("--engines", nargs="+", default=["ray"], choices=ENGINES)
     parser.add_argument("--requests", type=int, default=240, help="requests per scenario")
     parser.add_argument("--clients", type=int, default=8, help="client threads sending at once")
     parser.add_argument("--images", type=int, default=4, help="images per request")
@@ -66,19 +64,13 @@ def parse_args(argv=None):
     return args
 
 
-def start_server(args, engine: str, replicas: int, queue: int | None) -> tuple[subprocess.Popen, str]:
-    """A service in its own process, as deployed: (its process, its URL)."""
+def start_server(args, replicas: int, queue: int | None) -> tuple[subprocess.Popen, str]:
+    """The service in its own process, as deployed: (its process, its URL)."""
     command = [sys.executable, str(ROOT / "scripts" / "serve_rewards.py"), "--reward", args.reward]
     command += ["--max-batch", str(args.max_batch), "--latency-ms-per-image", str(args.latency_ms_per_image)]
-    if engine == "ray":
-        command += ["--port", str(free_port()), "--replicas", str(replicas), "--cpus-per-replica", "0"]
-        # a small queue: that many requests held by the replica, as many more waiting at the proxy
-        command += (
-            ["--max-ongoing-requests", str(queue), "--max-queued-requests", str(queue)] if queue else []
-        )
-    else:
-        command = [sys.executable, "-c", THREADS_SERVER, args.reward, str(args.max_batch)]
-        command += [str(args.latency_ms_per_image), str(queue * args.images if queue else 0)]
+    command += ["--port", str(free_port()), "--replicas", str(replicas), "--cpus-per-replica", "0"]
+    # a small queue: that many requests held by the replica, as many more waiting at the proxy
+    command += ["--max-ongoing-requests", str(queue), "--max-queued-requests", str(queue)] if queue else []
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
@@ -89,26 +81,6 @@ def start_server(args, engine: str, replicas: int, queue: int | None) -> tuple[s
             f"error: the reward service did not start (it printed {line!r}); see its error above"
         )
     return proc, line.split(" on ")[1].split()[0]
-
-
-# the hand-written server (rewards.serve) as scripts/serve_rewards.py started it before Ray Serve
-THREADS_SERVER = """
-import json, signal, sys, time
-sys.path.insert(0, ".")
-import rewards
-from rewards.serve import serve
-name, batch, latency, queue = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-server = serve(rewards.build(name), name, "127.0.0.1", 0, latency_ms_per_image=latency,
-               max_batch=batch, max_wait_ms=5.0, max_queue=queue or None)
-print(f"serving reward '{name}' on http://127.0.0.1:{server.server_address[1]}", flush=True)
-def stop(*_):
-    server.stop()
-    print("stopped: " + json.dumps(server.scorer.health()), flush=True)
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
-while True:
-    time.sleep(3600)
-"""
 
 
 def free_port() -> int:
@@ -125,11 +97,8 @@ def stop_server(proc: subprocess.Popen) -> dict | None:
     return json.loads(lines[-1][len("stopped: ") :]) if lines else None
 
 
-def kill_one_replica(engine: str, started: list, url: str) -> None:
-    """SIGKILL a replica's process: Ray's (found by its /health) or the first server."""
-    if engine == "threads":
-        started[0][0].kill()
-        return
+def kill_one_replica(url: str) -> None:
+    """SIGKILL the process of the replica that answers ``GET /health`` (Ray starts another)."""
     with urllib.request.urlopen(url + "/health", timeout=30) as answer:
         os.kill(json.loads(answer.read())["pid"], signal.SIGKILL)
 
@@ -186,31 +155,17 @@ def run_clients(args, urls: list[str], on_half) -> tuple[list[float], dict, floa
     return latencies, stats, wall
 
 
-def scenario(args, engine: str, key: str) -> dict:
+def scenario(args, key: str) -> dict:
     name, replicas, queue, fate = SCENARIOS[key]
-    servers = 1 if engine == "ray" else replicas  # Ray: one service, `replicas` behind its proxy
-    started = [start_server(args, engine, replicas, queue) for _ in range(servers)]
-    urls = [url for _, url in started]
-    counts, killed = [], []
-
-    def on_half():
-        kill_one_replica(engine, started, urls[0])
-        killed.append(engine == "threads")  # a killed server process cannot report its counts
-
+    proc, url = start_server(args, replicas, queue)
     try:
-        latencies, stats, wall = run_clients(args, urls, on_half if fate else None)
+        latencies, stats, wall = run_clients(args, [url], (lambda: kill_one_replica(url)) if fate else None)
     finally:
-        for i, (proc, _) in enumerate(started):
-            counts.append(None if (killed and killed[0] and i == 0) else stop_server(proc))
-    scored = None if None in counts else sum(c["scored_images"] for c in counts)
-    rescored = None if None in counts or engine == "threads" else sum(c["rescored"] for c in counts)
+        counts = stop_server(proc)
+    scored = None if counts is None else counts["scored_images"]
+    rescored = None if counts is None else counts["rescored"]
     return dict(
-        name=f"{engine}: {name}",
-        latencies=sorted(latencies),
-        stats=stats,
-        wall=wall,
-        scored=scored,
-        rescored=rescored,
+        name=name, latencies=sorted(latencies), stats=stats, wall=wall, scored=scored, rescored=rescored
     )
 
 
@@ -228,7 +183,7 @@ def table(args, rows: list[dict]) -> str:
     ]
     for row in rows:
         ms = [1000 * percentile(row["latencies"], q) for q in (0.5, 0.9, 0.99, 1.0)]
-        scored = "n/a (killed)" if row["scored"] is None else f"{row['scored']} / {sent}"
+        scored = "n/a" if row["scored"] is None else f"{row['scored']} / {sent}"
         twice = "n/a" if row["rescored"] is None else row["rescored"]
         lines.append(
             f"| {row['name']} | {args.requests / row['wall']:.1f} | {sent / row['wall']:.0f} | "
@@ -250,10 +205,10 @@ def main(argv=None) -> None:
     )
     rows = []
     for key in args.scenarios:
-        for engine in args.engines:
-            row = scenario(args, engine, key)
-            rows.append(row)
-            print(f"  {row['name']}: {row['wall']:.1f} s, client counts {row['stats']}", flush=True)
+        rows.append(scenario(args, key))
+        print(
+            f"  {rows[-1]['name']}: {rows[-1]['wall']:.1f} s, client counts {rows[-1]['stats']}", flush=True
+        )
     print(table(args, rows))
 
 
