@@ -93,6 +93,21 @@ def build(name: str, **kwargs):
     return _called(name, factory, kwargs)
 
 
+def build_from_spec(spec: str):
+    """(name, reward) from ``NAME`` or ``NAME={json args}``, the form a command line takes
+    (``diffrl-serve --reward``, Ray Serve's ``build_app``)."""
+    import json
+
+    name, _, raw = spec.partition("=")
+    try:
+        args = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as err:
+        raise RewardArgsError(f"--reward {spec!r}: the args after '=' are not JSON ({err.msg})") from None
+    if not isinstance(args, dict):
+        raise RewardArgsError(f"--reward {spec!r}: the args after '=' must be a JSON object")
+    return name, build(name, **args)
+
+
 def _called(name: str, make, kwargs: dict):
     """``make(**kwargs)``, a plain TypeError / ValueError turned into one line naming the reward."""
     try:

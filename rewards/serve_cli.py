@@ -20,6 +20,7 @@ import json
 import signal
 import time
 
+from rewards import build_from_spec
 from rewards.errors import UserError
 
 
@@ -69,24 +70,10 @@ def parse_args(argv=None):
     return args
 
 
-def build_reward(spec: str):
-    """(name, reward) from ``NAME`` or ``NAME={json args}``."""
-    import rewards
-
-    name, _, raw = spec.partition("=")
-    try:
-        args = json.loads(raw) if raw else {}
-    except json.JSONDecodeError as err:
-        raise rewards.RewardArgsError(
-            f"--reward {spec!r}: the args after '=' are not JSON ({err.msg})"
-        ) from None
-    return name, rewards.build(name, **args)
-
-
 def start(args) -> str:
     """Deploy the app (starting a local Ray unless --address); its name."""
     name = args.reward.partition("=")[0]
-    build_reward(args.reward)  # a wrong name or args fails here, once, not in every replica
+    build_from_spec(args.reward)  # a wrong name or args fails here, once, not in every replica
     try:
         import ray
         from ray import serve

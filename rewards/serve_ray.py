@@ -30,6 +30,7 @@ from ray.serve.config import DeploymentActorConfig
 from starlette.requests import Request
 from starlette.responses import Response
 
+from rewards import build_from_spec
 from rewards.request_ledger import RequestLedger
 from rewards.serve_endpoint import RewardEndpoint, images_in, score_jobs
 
@@ -82,9 +83,7 @@ class RewardDeployment:
     answers HTTP through Serve's proxy (``__call__``) and handles (``answer``) alike."""
 
     def __init__(self, reward: str, max_batch: int = 64, max_wait_ms: float = 5.0, latency_ms_per_image=0.0):
-        from rewards.serve_cli import build_reward
-
-        self.name, self.reward = build_reward(reward)
+        self.name, self.reward = build_from_spec(reward)
         if ray.get_gpu_ids() and hasattr(self.reward, "to"):
             self.reward.to("cuda")  # Ray set CUDA_VISIBLE_DEVICES to this replica's GPUs
         self.latency = float(latency_ms_per_image) / 1000

@@ -25,6 +25,8 @@ def test_a_wrong_reward_or_its_args_fail_before_ray_starts(monkeypatch):
         main(["--reward", "nosuch"])
     with pytest.raises(UserError, match=r"the args after '=' are not JSON"):
         main(["--reward", "jpeg_compressibility={bad"])
+    with pytest.raises(UserError, match=r"must be a JSON object"):
+        main(["--reward", "jpeg_compressibility=[1]"])
     for wrong in (["--route-prefix", "abc"], ["--replicas", "0"], ["--max-wait-ms", "-1"]):
         with pytest.raises(SystemExit) as stop:
             parse_args(["--reward", "shapeworld", *wrong])
