@@ -370,11 +370,13 @@ class _ServeHandle:
         from ray import exceptions as ray_errors
         from ray.serve.exceptions import BackPressureError
 
+        response = self.handle.answer.remote("POST", path, body, headers)
         try:
-            out = self.handle.answer.remote("POST", path, body, headers).result(timeout_s=timeout)
+            out = response.result(timeout_s=timeout)
         except BackPressureError:
             return 503, {}, b"busy: max_queued_requests reached"
         except (ray_errors.GetTimeoutError, TimeoutError):
+            response.cancel()  # as an HTTP client hanging up: Serve drops it if still queued
             raise TimeoutError from None
         except ray_errors.RayActorError as err:  # the replica died mid-request
             return 500, {}, f"replica lost: {type(err).__name__}".encode()

@@ -147,6 +147,21 @@ def test_concurrent_requests_are_batched_and_score_as_in_process(cluster):
     assert _health(url)["batches"] - before <= 2  # 12 images from 6 requests in one or two calls
 
 
+def test_rays_own_cli_builds_the_same_app_from_string_args(cluster):
+    """``serve run rewards.serve_ray:build_app reward=... replicas=1`` passes strings."""
+    from ray import serve
+
+    from rewards.serve_ray import build_app
+
+    app = build_app({"reward": REWARD, "replicas": "1", "cpus_per_replica": "0", "max_batch": "8"})
+    serve.run(app, name="built", route_prefix="/built")
+    try:
+        scores = RemoteReward(app="built")(_images(3), ["a", "b"])["remote"]
+        assert torch.equal(scores, build(REWARD)(_images(3), ["a", "b"], {})[REWARD].float())
+    finally:
+        serve.delete("built")
+
+
 def test_the_handle_path_answers_as_http_does(cluster):
     through_http = RemoteReward(cluster["fast"])(_images(7), ["a", "b"])
     through_handle = RemoteReward(app="fast")(_images(7), ["a", "b"])
@@ -170,12 +185,15 @@ def test_a_full_queue_answers_503_with_retry_after_and_clients_wait_it_out(clust
     assert sum(c.stats["busy"] for c in clients) >= 1
 
 
-def test_a_deadline_is_an_error_never_a_zero_and_an_abandoned_request_is_not_scored(cluster):
+@pytest.mark.parametrize("path", ["http", "handle"])
+def test_a_deadline_is_an_error_never_a_zero_and_an_abandoned_request_is_not_scored(cluster, path):
     """A client whose tries time out while the one replica slot is held raises one error;
-    its requests, queued at Serve's proxy, are cancelled when it hangs up and never scored."""
+    its requests, still queued, are cancelled when it hangs up (HTTP) or cancels (handle)
+    and never scored."""
     url = cluster["slow"]
     finished = _health(url)["ledger"]["finished"]
-    impatient = RemoteReward(url, timeout=0.15, retries=1, backoff=0.0)
+    where = {"url": url} if path == "http" else {"app": "slow"}
+    impatient = RemoteReward(**where, timeout=0.15, retries=1, backoff=0.0)
     hold = threading.Thread(target=_post, args=(url, encode_request(_images(0, 1), ["a"])))
     hold.start()  # occupies the one replica slot for 0.5 s
     time.sleep(0.1)
