@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffrl.evaluation import monitors
 from diffrl.inference.generate import GenerationSettings, generate_and_score, plan_samples, scored_tensor
 
 DIVERSITY_SIZE = 64
@@ -106,6 +107,7 @@ def evaluate(
     num_prompts: int | None = None,
     media: dict | None = None,
     refine: bool = True,
+    watch: dict | None = None,
 ) -> dict[str, float]:
     """Every reward score over ``prompts`` (the first ``num_prompts``, default
     ``eval.num_prompts``) x ``eval.seeds``, sampled by ``session``'s policy
@@ -115,18 +117,24 @@ def evaluate(
     saves the first samples (the fixed eval noise, so sheets of different steps line up)
     as a PNG, and with a ``media`` dict it fills it with those samples for the trackers
     (:func:`sample_media`). A session with PromptRL's refiner renders its greedy rewrite
-    of each prompt, judged against the prompt, unless ``refine`` is off."""
+    of each prompt, judged against the prompt, unless ``refine`` is off. With ``watch`` (a
+    dict the caller keeps between evaluations), the gold panel (``eval.gold``) also scores
+    every sample and the monitors (``eval.monitors``, :mod:`~diffrl.evaluation.monitors`)
+    measure it: ``<prefix>/gold/...``, ``<prefix>/monitor/...``."""
     s = EvalSettings.of(settings)
     count = s.num_prompts if num_prompts is None else num_prompts
     chosen = prompts[:count]
     samples = plan_samples(chosen, s.seeds, prefix, rendered=refined(session, chosen) if refine else None)
     pictures = sheet_path is not None or media is not None
+    measuring = watch is not None and _monitors_on(session)
     scored = generate_and_score(
         session,
         samples,
         s.generation,
+        reward_fn=_with_panel(session) if watch is not None else None,
         keep_image=lambda position: pictures and position < SHEET_SIZE,
         thumbnail=thumbnails,
+        measure=monitors.measure if measuring else None,
         progress=f"{prefix} ({count} prompts x {len(s.seeds)} seeds)" if _progress_bar(session) else None,
     )
     if pictures and session.acc.is_main_process:
@@ -134,8 +142,42 @@ def evaluate(
     names = sorted(scored[0].scores)
     prompt_index = [x.sample.index for x in scored]
     out = _score_summary(prefix, names, scored_tensor(scored, names), prompt_index)
-    out[f"{prefix}/diversity"] = diversity(torch.stack([x.thumbnail for x in scored]), prompt_index)
+    thumbs = torch.stack([x.thumbnail for x in scored])
+    out[f"{prefix}/diversity"] = diversity(thumbs, prompt_index)
+    if measuring:
+        out.update(_drift(prefix, scored, thumbs, prompt_index, watch))
     return out
+
+
+def _monitors_on(session) -> bool:
+    evaluation = getattr(getattr(session, "cfg", None), "eval", None)
+    return bool(getattr(evaluation, "monitors", False))
+
+
+def _with_panel(session):
+    """The session's rewards with its gold panel's scores added as ``gold/<name>`` (the
+    session's rewards alone when it has no panel)."""
+    trained, gold = session.reward_fn, getattr(session, "gold_fn", None)
+    if gold is None:
+        return trained
+
+    def scored(images, prompts, metadata):
+        total, components, logs = trained(images, prompts, metadata)
+        _, _, panel = gold(images, prompts, metadata)
+        return total, components, {**logs, **{f"gold/{name}": values for name, values in panel.items()}}
+
+    return scored
+
+
+def _drift(prefix: str, scored, thumbs, prompt_index, watch: dict) -> dict[str, float]:
+    """The evaluation-wide monitors: colour drift from the first watched evaluation (whose
+    histogram ``watch`` keeps) and the spread across prompts."""
+    histogram = torch.stack([x.extras["colour_histogram"] for x in scored]).mean(0)
+    start = watch.setdefault("colour_histogram", histogram)
+    return {
+        f"{prefix}/monitor/colour_drift": monitors.histogram_distance(histogram, start),
+        f"{prefix}/monitor/spread_across_prompts": monitors.spread_across_prompts(thumbs, prompt_index),
+    }
 
 
 def _progress_bar(session) -> bool:
@@ -144,12 +186,14 @@ def _progress_bar(session) -> bool:
     return bool(getattr(logging, "progress_bar", False))
 
 
-def evaluate_run(session, settings=None, sheet_path=None, media=None) -> dict[str, float]:
+def evaluate_run(session, settings=None, sheet_path=None, media=None, watch=None) -> dict[str, float]:
     """A run's evaluation: the held-out prompts (``eval/``, with the sheet and the
-    trackers' media) and, if configured, the training subset (``eval_train/``) and the
-    paraphrases (``eval_para/``, :func:`evaluate_paraphrases`)."""
+    trackers' media, the gold panel and the monitors, see :func:`evaluate`'s ``watch``) and,
+    if configured, the training subset (``eval_train/``) and the paraphrases
+    (``eval_para/``, :func:`evaluate_paraphrases`)."""
     settings = EvalSettings.of(session.cfg if settings is None else settings)
-    out = evaluate(session, session.eval_prompts, settings, sheet_path=sheet_path, media=media)
+    watch = {} if watch is None else watch
+    out = evaluate(session, session.eval_prompts, settings, sheet_path=sheet_path, media=media, watch=watch)
     subset = session.train_eval_prompts
     if subset:
         out.update(evaluate(session, subset, settings, prefix="eval_train", num_prompts=len(subset)))

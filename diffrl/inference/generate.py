@@ -22,7 +22,7 @@ evaluation: one text-encoder batch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -88,6 +88,7 @@ class Scored:
     scores: dict[str, float]
     image: torch.Tensor | None = None
     thumbnail: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # a measure's tensors (a histogram)
 
 
 def generate_and_score(
@@ -100,14 +101,17 @@ def generate_and_score(
     encode_alone: bool = False,
     keep_image: Callable[[int], bool] = lambda position: False,
     thumbnail: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    measure: Callable[[torch.Tensor], list[dict]] | None = None,
     write_image: Callable[[Sample, torch.Tensor], None] | None = None,
     progress: str | None = None,
 ) -> list[Scored]:
     """Generate and score ``samples`` (see the module docstring) with ``session``'s adapter
     and ``model`` (default: the session's policy), scored by ``reward_fn`` (default: the
     session's; None-valued scores when the session has none). ``keep_image(position)``
-    keeps a sample's image, ``thumbnail`` maps each image to a kept thumbnail, and
-    ``write_image(sample, image)`` is called by the process that made it (saving it).
+    keeps a sample's image, ``thumbnail`` maps each image to a kept thumbnail, ``measure``
+    maps a chunk of images to each one's measurements (floats join its scores under
+    ``monitor/``, tensors its ``extras``), and ``write_image(sample, image)`` is called by
+    the process that made it (saving it).
     ``progress``: a label for a progress bar over the batches (main process only), so a
     long evaluation is never minutes of silence."""
     s = GenerationSettings.of(settings)
@@ -131,19 +135,14 @@ def generate_and_score(
         if padding:
             continue  # sampled so every process runs the same forwards; not this process's work
         scores = _score(reward_fn, images, [samples[i] for i in chunk])
+        measured = measure(images) if measure is not None else [{} for _ in chunk]
         for row, i in enumerate(chunk):
             image = images[row]
             if write_image is not None:
                 write_image(samples[i], image)
-            done.append(
-                Scored(
-                    samples[i],
-                    i,
-                    scores[row],
-                    image.cpu() if keep_image(i) else None,
-                    thumbnail(image.unsqueeze(0))[0].cpu() if thumbnail is not None else None,
-                )
-            )
+            kept = image.cpu() if keep_image(i) else None
+            thumb = thumbnail(image.unsqueeze(0))[0].cpu() if thumbnail is not None else None
+            done.append(_scored(samples[i], i, scores[row], measured[row], kept, thumb))
     bar.close()
     return _gathered(acc, done)
 
@@ -162,6 +161,14 @@ def _sample(session, model, cond, chunk: list[Sample], s: GenerationSettings) ->
             kinds=s.sampler.evaluation_kinds(s.num_steps),
         )
     return traj.images
+
+
+def _scored(sample: Sample, position: int, scores: dict, measured: dict, image, thumb) -> Scored:
+    """A sample's record: a measure's floats join its scores as ``monitor/<name>``, its
+    tensors its ``extras``."""
+    floats = {f"monitor/{k}": v for k, v in measured.items() if not torch.is_tensor(v)}
+    extras = {k: v.cpu() for k, v in measured.items() if torch.is_tensor(v)}
+    return Scored(sample, position, {**scores, **floats}, image, thumb, extras)
 
 
 def _score(reward_fn, images, chunk: list[Sample]) -> list[dict[str, float]]:

@@ -64,6 +64,8 @@ class Session:
                 getattr(self, f"{name}_prompts")
         self.reward_specs = list(cfg.rewards if rewards is None else rewards)
         self.reward_fn = MultiReward(self.reward_specs)
+        # the gold panel: rewards the evaluation scores and the run does not optimise
+        self.gold_fn = MultiReward(list(cfg.eval.gold)) if cfg.eval.gold else None
         for name in PROMPT_SETS:
             if name in prompts:
                 self._check_rewards(getattr(self, f"{name}_prompts"), self._source(name))
@@ -147,8 +149,15 @@ class Session:
         self._check_rewards(prompts, source)
 
     def _check_rewards(self, prompts: list[str], source) -> None:
-        if self.reward_fn is not None:
-            self.reward_fn.check_prompts(prompts, str(source))
+        for rewards in (self.reward_fn, getattr(self, "gold_fn", None)):
+            if rewards is not None:
+                rewards.check_prompts(prompts, str(source))
+
+    def rewards_to(self, device) -> None:
+        """The trained rewards and the gold panel onto ``device``."""
+        for rewards in (self.reward_fn, self.gold_fn):
+            if rewards is not None:
+                rewards.to(device)
 
     # -- the policy -----------------------------------------------------------------------
     def _build_policy(self, keep_on_host: bool) -> None:
@@ -158,7 +167,7 @@ class Session:
         self.adapter = build_adapter(cfg.model)
         if not keep_on_host:
             self.adapter.to(self.acc.device)
-            self.reward_fn.to(self.acc.device)
+            self.rewards_to(self.acc.device)
         self.policy = Policy(self.adapter, cfg.model, cfg.seed, upcast_trainable=not keep_on_host)
         apply_attention_backend(self.adapter.transformer, cfg.perf.attention_backend)
         self.refiner = None  # PromptRL's prompt refiner (refiner.model), in front of the flow model

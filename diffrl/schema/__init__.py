@@ -20,6 +20,7 @@ from diffrl.schema.run import (
     CheckpointConfig,
     DataConfig,
     EvalConfig,
+    GuardConfig,
     LoggingConfig,
     ObjectiveConfig,
     OptimConfig,
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "GuardConfig",
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
@@ -77,6 +79,9 @@ class Config:
     )
     train: TrainConfig = _f(TrainConfig(), "Training loop.")
     eval: EvalConfig = _f(EvalConfig(), "Held-out evaluation.")
+    guard: GuardConfig = _f(
+        GuardConfig(), "Rules on the gold panel and the monitors that warn, keep the best checkpoint, stop."
+    )
     logging: LoggingConfig = _f(LoggingConfig(), "Metrics and trackers.")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "Checkpointing.")
 

@@ -239,6 +239,40 @@ class EvalConfig:
     paraphrase_num_prompts: int = _f(
         0, "Paraphrases per evaluation (evenly spaced through the file); 0: all of them.", valid=">= 0"
     )
+    gold: list[RewardSpec] = _f(
+        [],
+        "The gold panel: rewards each evaluation also scores and the run does not optimise (entries as "
+        "in `rewards`; weights unused), logged as eval/gold/<label>/mean and /se; the guard watches them "
+        "(docs/TRAINING.md, 'Guarding against reward hacking').",
+    )
+    monitors: bool = _f(
+        True,
+        "Artefact and diversity monitors that need no reward model (grid energy, over-exposure, "
+        "saturation, colour drift from the first evaluation, spread across prompts; video: flicker): "
+        "eval/monitor/...",
+    )
+
+
+@dataclass
+class GuardConfig:
+    gold_drop_se: float | None = _f(
+        None,
+        "Alarm when the trained reward has risen since the first evaluation while a gold reward has fallen "
+        "by more than this many standard errors; null: no such rule.",
+        valid="> 0",
+    )
+    limits: dict = _f(
+        {},
+        "Alarm when a monitor has moved past a bound since the first evaluation: {name: bound}, e.g. "
+        "{grid_energy: 0.05, colour_drift: 0.3}; a negative bound alarms on a fall (exposure: -0.1).",
+    )
+    keep_best: str | None = _f(
+        None,
+        "Keep the checkpoint of the evaluation with the best value of this logged key (e.g. "
+        "eval/gold/hpsv21/mean) among those without an alarm, in <run>/checkpoints/best; null: the first "
+        "gold reward's mean, if there is a gold panel.",
+    )
+    stop: bool = _f(False, "Stop the run at the first alarm (after saving its checkpoint).")
 
 
 @dataclass

@@ -113,6 +113,20 @@ def ema_schedule(ema) -> str:
     return ", ".join(words)
 
 
+def keep_as_best(accelerator, run_dir: Path, path: Path, name: str = "best") -> Path:
+    """Copy the checkpoint at ``path`` to ``checkpoints/<name>`` (main process), out of the
+    rotation's reach (it prunes ``step-N`` only), replacing the one kept before."""
+    root = checkpoint_root(run_dir)
+    best, tmp = root / name, root / f".tmp-{name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(path, tmp)
+        shutil.rmtree(best, ignore_errors=True)
+        tmp.rename(best)
+    accelerator.wait_for_everyone()
+    return best
+
+
 def _prune(run_dir: Path, keep: int) -> None:
     if keep <= 0:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 from accelerate import Accelerator
@@ -21,7 +22,7 @@ from diffrl.algorithms.prompt_history import PromptHistory
 from diffrl.algorithms.tree_credit import tree_credit
 from diffrl.config import Config, save_config
 from diffrl.evaluation.scoring import evaluate_run
-from diffrl.evaluation.summary import before_after
+from diffrl.evaluation.summary import before_after, read_metrics
 from diffrl.inference import checkpoints
 from diffrl.inference.session import Session
 from diffrl.precision.plan import PrecisionPlan
@@ -34,6 +35,7 @@ from diffrl.training import run_dir as run_dir_guard
 from diffrl.training.console import closing_lines, eval_line, progress_fields, say
 from diffrl.training.data import plan_step
 from diffrl.training.ema import EMA, OldPolicy
+from diffrl.training.guard import Guard, Verdict, carry_out
 from diffrl.training.metrics import MetricsLogger
 from diffrl.training.plan import derive, format_plan
 from diffrl.training.refiner_update import RefinerUpdater
@@ -43,7 +45,7 @@ from diffrl.training.setup import avoid_cudnn_attention, make_accelerator, make_
 from diffrl.training.stages import Credit, Rollout
 from diffrl.training.tracking import init_trackers, log_evaluation_media
 from diffrl.training.update import UpdateCounters, Updater, UpdateSettings
-from diffrl.training.watchdog import check_stalled, no_update_message
+from diffrl.training.watchdog import watch_updates
 
 
 class Trainer:
@@ -57,6 +59,7 @@ class Trainer:
         self.numbers = derive(cfg, self.acc.num_processes)
         self._build_policy(cfg)
         self._build_update_state(cfg)
+        self.guard = Guard(cfg)  # the gold panel's and monitors' rules (guard.*)
         self.step = 0
 
     def _build_policy(self, cfg: Config) -> None:
@@ -102,7 +105,7 @@ class Trainer:
             if self.policy.frozen_reference is not None:  # full fine-tuning's KL reference
                 shard_frozen_copy(self.policy.frozen_reference)  # from host memory, block by block
             self.adapter.frozen_to(self.acc.device)
-            self.reward_fn.to(self.acc.device)
+            self.session.rewards_to(self.acc.device)
             self.acc.print(f"FSDP: the transformer is sharded over {self.acc.num_processes} processes")
         # Not passed through prepare(): accelerate would step it once per *process* per
         # optimizer step, while our step counts are already per optimizer step.
@@ -375,9 +378,12 @@ class Trainer:
             if self.acc.is_main_process:
                 sheets.mkdir(parents=True, exist_ok=True)
             media = {}
-            out = evaluate_run(self.session, sheet_path=sheets / f"step-{self.step}.png", media=media)
+            sheet = sheets / f"step-{self.step}.png"
+            out = evaluate_run(self.session, sheet_path=sheet, media=media, watch=self.guard.watch)
             log_evaluation_media(self.acc, self.step, media)
         reshard(self.model)  # FSDP: drop the EMA weights the evaluation's forwards gathered
+        if self.acc.is_main_process:
+            self.guard.save_reference(self.cfg.run_dir)
         return out
 
     # -- loop -----------------------------------------------------------------------------
@@ -389,25 +395,13 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg
         run_dir = cfg.run_dir
-        if self.step == 0:  # a fresh start (not a resume) never mixes with an earlier run
-            run_dir_guard.ensure_fresh(run_dir)
-            self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.yaml")
-        init_trackers(self.acc, cfg)
-        self.acc.print(format_plan(self.numbers))
-        notes = replay_notes(cfg)
-        for note in notes:
-            self.acc.print(f"note: {note}")
-        gap_watch = ReplayGapWatch(
-            cfg.train.replay_gap_warn, cfg.objective.clip_range, notes, lambda m: say(self.acc, m)
-        )
+        gap_watch = self._open_run(run_dir)
         logger = MetricsLogger(self.acc, run_dir, resume_step=self.step)
+        if self.step > 0:  # the guard's first evaluation, best and alarms, as they were
+            self.guard.replay(read_metrics(run_dir / "metrics.jsonl"), run_dir)
         history = []
         if cfg.eval.at_start and self.step == 0:
-            history.append(logger.log(0, self.evaluate()))
-            say(self.acc, eval_line(0, history[-1], self.headline_metrics()))
+            self._act_on(self._logged(logger, history, self.evaluate(), evaluated=True))
         bar = tqdm(
             total=cfg.train.max_steps,
             initial=self.step,
@@ -419,56 +413,72 @@ class Trainer:
             before = (c.optimizer_steps, c.skipped_nonfinite_loss, c.skipped_fp16_overflow)
             metrics = self.train_step(self.step)
             self.step += 1
-            self._watch_updates(metrics, before)
+            limit = cfg.train.max_skipped_iterations
+            last_saved = functools.partial(checkpoints.latest_complete, cfg.run_dir)
+            watch_updates(self.acc, self.counters, self.step, metrics, before, limit, last_saved)
             gap_watch.check(self.step, metrics)
             last = self.step == cfg.train.max_steps
             evaluated = cfg.eval.every and (self.step % cfg.eval.every == 0 or last)
             if evaluated:
                 metrics.update(self.evaluate())
-            history.append(logger.log(self.step, metrics))
-            if evaluated:
-                say(self.acc, eval_line(self.step, history[-1], self.headline_metrics()))
+            verdict = self._logged(logger, history, metrics, evaluated)
             bar.update(1)
             bar.set_postfix(progress_fields(history[-1]))
-            if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                ckpt.save_checkpoint(
-                    self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep, self.ema, self.refiner
-                )
+            saved = last or bool(cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0)
+            if saved:
+                self._save()
+            if verdict is not None and self._act_on(verdict, saved):
+                break
         bar.close()
+        self._close(run_dir)
+        return history
+
+    def _open_run(self, run_dir) -> ReplayGapWatch:
+        """The run directory, its config, trackers and plan; the replay-gap watch."""
+        if self.step == 0:  # a fresh start (not a resume) never mixes with an earlier run
+            run_dir_guard.ensure_fresh(run_dir)
+            self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, run_dir / "config.yaml")
+        init_trackers(self.acc, self.cfg)
+        self.acc.print(format_plan(self.numbers))
+        notes = replay_notes(self.cfg)
+        for note in notes:
+            self.acc.print(f"note: {note}")
+        return ReplayGapWatch(
+            self.cfg.train.replay_gap_warn, self.cfg.objective.clip_range, notes, lambda m: say(self.acc, m)
+        )
+
+    def _logged(self, logger, history: list, metrics: dict, evaluated) -> Verdict | None:
+        """Log this step's row (and its evaluation line); the guard's verdict on it."""
+        verdict = self.guard.check(self.step, metrics) if evaluated else None
+        history.append(logger.log(self.step, metrics))
+        if evaluated:
+            say(self.acc, eval_line(self.step, history[-1], self.headline_metrics()))
+        return verdict
+
+    def _close(self, run_dir) -> None:
+        """The before/after table, where everything is, and the guard's best and alarms."""
         self.acc.wait_for_everyone()
         self.acc.print(before_after(run_dir / "metrics.jsonl", self.headline_metrics()))
         latest = checkpoints.latest_complete(run_dir)
-        self.acc.print(closing_lines(run_dir, latest[1] if latest else None, cfg.train.ema_decay))
+        self.acc.print(closing_lines(run_dir, latest[1] if latest else None, self.cfg.train.ema_decay))
+        for line in self.guard.summary(run_dir):
+            self.acc.print(line)
         self.acc.end_training()
-        return history
 
-    def _watch_updates(self, metrics: dict, before: tuple[int, int, int]) -> None:
-        """Say so when an iteration applied no update; stop after too many in a row. An
-        iteration whose every step the fp16 gradient scaler skipped is not held against
-        the run: the scaler lowers its scale at each overflow and recovers by itself."""
-        c = self.counters
-        if c.optimizer_steps > before[0]:
-            c.iterations_without_update = 0
-            return
-        overflows = c.skipped_fp16_overflow - before[2]
-        if (
-            overflows
-            and c.skipped_nonfinite_loss == before[1]
-            and not metrics.get("reward/nonfinite_samples")
-        ):
-            say(
-                self.acc,
-                f"iteration {self.step}: the fp16 gradient scaler skipped {overflows} step(s) (overflow)",
-            )
-            return
-        c.iterations_without_update += 1
-        say(self.acc, no_update_message(self.step, metrics, c.skipped_nonfinite_loss - before[1]))
-        latest = checkpoints.latest_complete(self.cfg.run_dir)
-        check_stalled(
-            c.iterations_without_update,
-            self.cfg.train.max_skipped_iterations,
-            str(latest[1]) if latest else None,
+    def _save(self):
+        cfg = self.cfg
+        return ckpt.save_checkpoint(
+            self.acc, self.policy, cfg, self.step, cfg.checkpoint.keep, self.ema, self.refiner
         )
+
+    def _act_on(self, verdict: Verdict, saved: bool = False) -> bool:
+        """The guard's verdict carried out (:func:`~diffrl.training.guard.carry_out`)."""
+        saved_path = checkpoints.checkpoint_root(self.cfg.run_dir) / f"step-{self.step}"
+        checkpoint = (lambda: saved_path) if saved else self._save
+        return carry_out(verdict, self.step, self.acc, self.cfg.run_dir, checkpoint)
 
     def headline_metrics(self) -> tuple[str, ...]:
         """Listed first in the summary: a verifier's strict score (``<reward>_strict``, as

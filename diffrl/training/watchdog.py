@@ -40,3 +40,26 @@ def check_stalled(in_a_row: int, limit: int, last_checkpoint: str | None) -> Non
         "model on these prompts, or lower optim.lr; train.max_skipped_iterations sets the limit "
         "(0: never stop)"
     )
+
+
+def watch_updates(accelerator, counters, step: int, metrics: dict, before, limit: int, latest) -> None:
+    """Say so when iteration ``step`` applied no update; stop after ``limit`` in a row
+    (``latest()``: the newest complete checkpoint, named in that error). ``before``: the
+    counters' (optimizer steps, skipped losses, fp16 overflows) before the iteration. An
+    iteration whose every step the fp16 gradient scaler skipped is not held against the
+    run: the scaler lowers its scale at each overflow and recovers by itself."""
+    from diffrl.training.console import say
+
+    c = counters
+    if c.optimizer_steps > before[0]:
+        c.iterations_without_update = 0
+        return
+    overflows = c.skipped_fp16_overflow - before[2]
+    if overflows and c.skipped_nonfinite_loss == before[1] and not metrics.get("reward/nonfinite_samples"):
+        say(accelerator, f"iteration {step}: the fp16 gradient scaler skipped {overflows} step(s) (overflow)")
+        return
+    c.iterations_without_update += 1
+    say(accelerator, no_update_message(step, metrics, c.skipped_nonfinite_loss - before[1]))
+    if 0 < limit <= c.iterations_without_update:
+        found = latest()
+        check_stalled(c.iterations_without_update, limit, str(found[1]) if found else None)
