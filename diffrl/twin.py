@@ -35,10 +35,19 @@ _STAND_INS = ("jpeg_compressibility", "jpeg_incompressibility", "random_control"
 
 def _rewards(cfg) -> list[dict]:
     """The config's rewards with model rewards swapped for distinct weight-free ones."""
-    used = {r.name for r in cfg.rewards if r.name in WEIGHT_FREE}
+    return _stand_ins(cfg.rewards)
+
+
+def _gold(cfg) -> str:
+    """The ``eval.gold`` override: the gold panel's model rewards swapped the same way."""
+    return f"eval.gold={json.dumps(_stand_ins(cfg.eval.gold))}"
+
+
+def _stand_ins(specs) -> list[dict]:
+    used = {r.name for r in specs if r.name in WEIGHT_FREE}
     spare = [n for n in _STAND_INS if n not in used]
     out = []
-    for r in cfg.rewards:
+    for r in specs:
         args = dict(r.args)
         if r.name == "video_frames":
             if args.get("reward", "jpeg_compressibility") not in WEIGHT_FREE:
@@ -95,6 +104,7 @@ def tiny_twin_overrides(cfg, processes: int = 1) -> list[str]:
         *QUIET_RUN,
         f"run_name={cfg.run_name}_tiny_twin",
         f"rewards={json.dumps(_rewards(cfg))}",
+        _gold(cfg),
         *_refiner_twin(cfg),
     ]
 
@@ -127,6 +137,7 @@ def full_size_overrides(cfg, steps: int = 2) -> list[str]:
         *_prompt_files(cfg.model.family, cfg.data.eval_holdout),
         f"run_name={cfg.run_name}_full_size",
         f"rewards={json.dumps(_rewards(cfg))}",
+        _gold(cfg),
         # the refiner LM is not part of the full-size measurement: its tiny twin stands in
         *_refiner_twin(cfg),
     ]

@@ -23,6 +23,7 @@ _FACTORIES: dict[str, str] = {
     "shapeworld": "rewards.shapeworld:ShapeWorldVerifier",
     "shapeworld_edit": "rewards.shapeworld.editing:ShapeWorldEditVerifier",
     "shapeworld_video": "rewards.shapeworld.video:ShapeWorldVideoVerifier",
+    "shapeworld_colour_coverage": "rewards.shapeworld.proxies:ColourCoverage",  # hackable, on purpose
     "remote": "rewards.remote:RemoteReward",
     "reward_server": "rewards.reward_server:RewardServerReward",
     "random_control": "rewards.control:RandomControl",

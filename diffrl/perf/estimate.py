@@ -263,7 +263,8 @@ def estimate_config(cfg, num_processes: int = 8, sharding: str = "none") -> dict
         )
     plan = derive(cfg, num_processes)
     shared = _unsharded_parts(cfg, plan, activations)
-    reward_bytes = sum(reward_params(r) for r in cfg.rewards) * 4  # fp32 unless configured
+    # the gold panel stays on the device beside the trained rewards (eval.gold)
+    reward_bytes = sum(reward_params(r) for r in [*cfg.rewards, *cfg.eval.gold]) * 4  # fp32 unless configured
     by_sharding = {
         name: {
             **_memory_parts(

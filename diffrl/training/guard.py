@@ -5,11 +5,12 @@ best checkpoint and may stop the run (docs/TRAINING.md, "Guarding against reward
 Each rule compares an evaluation with the run's first one (``eval.at_start`` makes that the
 base model's; otherwise the first evaluation it has):
 
-* **gold falls while the trained reward rises** (``gold_drop_se: k``): the trained reward's
-  mean is above its start and a gold reward's mean is below its start by more than ``k``
-  standard errors of the change, ``sqrt(se_now^2 + se_start^2)``. The two evaluations share
-  their prompts and noise, so the paired error would be smaller: this one is conservative
-  (later alarms, fewer false ones).
+* **gold falls while the trained reward rises** (``gold_drop_se: k``): a gold reward's mean
+  has fallen from its best evaluation so far by more than ``k`` standard errors of the
+  difference, ``sqrt(se_now^2 + se_best^2)``, while the trained reward's mean has risen
+  since that evaluation. The two evaluations share their prompts and noise, so the paired
+  error would be smaller: this one is conservative (later alarms, fewer false ones). Each
+  gold reward's change since the first evaluation is logged too (``/change``, ``/change_se``).
 * **a monitor moves past a bound** (``limits: {name: bound}``): ``now - start > bound`` (or
   ``< bound`` for a negative one) for ``eval/monitor/<name>/mean`` or, for the
   evaluation-wide monitors, ``eval/monitor/<name>`` (colour drift starts at 0).
@@ -54,6 +55,7 @@ class Guard:
         self.start: dict | None = None
         self.best: tuple[int, float] | None = None  # (step, value of keep_key)
         self.alarms: list[tuple[int, str]] = []
+        self.peaks: dict[str, tuple[float, float, float]] = {}  # gold key -> (best, its SE, trained then)
         self.watch: dict = {}  # the evaluation's reference (colour histogram), saved for resume
 
     @property
@@ -92,26 +94,29 @@ class Guard:
         return Verdict(alarms, best, bool(alarms) and self.rules.stop)
 
     def _gold_alarms(self, metrics: dict) -> list[str]:
+        """Each gold reward's change since the start (logged), and an alarm where it has
+        fallen from its best evaluation by more than ``gold_drop_se`` standard errors while
+        the trained reward has risen since that evaluation."""
         alarms = []
-        rose = metrics.get(self.trained, math.nan) - self.start.get(self.trained, math.nan)
+        trained_now = metrics.get(self.trained, math.nan)
         for key in self.gold:
-            change, se = self._change(key, metrics)
-            if math.isnan(change):
+            if key not in metrics:
                 continue
-            metrics[key.replace("/mean", "/change")] = change
-            metrics[key.replace("/mean", "/change_se")] = se
-            k = self.rules.gold_drop_se
-            if k is not None and rose > 0 and change < -k * se:
+            se_key = key.replace("/mean", "/se")
+            now, se_now = metrics[key], metrics.get(se_key, math.nan)
+            metrics[key.replace("/mean", "/change")] = now - self.start.get(key, math.nan)
+            metrics[key.replace("/mean", "/change_se")] = math.hypot(se_now, self.start.get(se_key, math.nan))
+            peak = self.peaks.get(key)
+            if peak is None or now > peak[0]:
+                self.peaks[key] = (now, se_now, trained_now)
+                continue
+            drop, drop_se = peak[0] - now, math.hypot(se_now, peak[1])
+            k, rose = self.rules.gold_drop_se, trained_now - peak[2]
+            if k is not None and rose > 0 and drop > k * drop_se:
                 name = key.removeprefix("eval/gold/").removesuffix("/mean")
-                fell = f"gold {name} fell {-change:.3g} ({-change / se:.1f} SE)"
+                fell = f"gold {name} fell {drop:.3g} from its best ({drop / drop_se:.1f} SE)"
                 alarms.append(f"{fell} while the trained reward rose {rose:.3g}")
         return alarms
-
-    def _change(self, key: str, metrics: dict) -> tuple[float, float]:
-        now, start = metrics.get(key, math.nan), self.start.get(key, math.nan)
-        se_key = key.replace("/mean", "/se")
-        se = math.hypot(metrics.get(se_key, math.nan), self.start.get(se_key, math.nan))
-        return now - start, se
 
     def _limit_alarms(self, metrics: dict) -> list[str]:
         alarms = []
