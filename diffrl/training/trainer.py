@@ -397,8 +397,9 @@ class Trainer:
         run_dir = cfg.run_dir
         gap_watch = self._open_run(run_dir)
         logger = MetricsLogger(self.acc, run_dir, resume_step=self.step)
-        if self.step > 0:  # the guard's first evaluation, best and alarms, as they were
-            self.guard.replay(read_metrics(run_dir / "metrics.jsonl"), run_dir)
+        logged = run_dir / "metrics.jsonl"
+        if self.step > 0 and logged.is_file():  # the guard's first evaluation, best and alarms, as they were
+            self.guard.replay(read_metrics(logged), run_dir)
         history = []
         if cfg.eval.at_start and self.step == 0:
             self._act_on(self._logged(logger, history, self.evaluate(), evaluated=True))
