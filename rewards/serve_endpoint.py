@@ -23,6 +23,7 @@ worth a retry, a 500 with it is the reward's own error and is not. Back-pressure
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -169,6 +170,13 @@ class RewardEndpoint:
             await self.ledger.wait(rid, min(WAIT_SLICE_S, left))
 
     async def _score_claimed(self, rid: str, body: bytes, deadline: float) -> Answer:
+        """Score a claimed request and record it in the ledger, shielded from the request's
+        cancellation: a client that hangs up while its job waits in a batch or is being
+        scored leaves it to finish (or expire) and be recorded, so its retry is answered
+        from the ledger instead of scored again, and the claim is never left behind."""
+        return await asyncio.shield(asyncio.ensure_future(self._score_and_record(rid, body, deadline)))
+
+    async def _score_and_record(self, rid: str, body: bytes, deadline: float) -> Answer:
         scored = False
         try:
             try:
@@ -188,7 +196,7 @@ class RewardEndpoint:
             scored = True
             self.counts["scored_jobs"] += 1
             return self._scores(scores)
-        finally:  # also when the request is cancelled (its client went away)
+        finally:
             if not scored:
                 await self.ledger.release(rid, self.owner)
 

@@ -121,3 +121,24 @@ def test_info_check_and_health():
     assert health["ok"] and health["ledger"]["finished"] == 0 and isinstance(health["pid"], int)
     missing = asyncio.run(endpoint.answer("POST", "/nope", b"", {}))
     assert missing.status == 404 and not math.isnan(missing.status)
+
+
+def test_a_request_whose_client_hangs_up_is_still_recorded_and_its_retry_not_scored_again():
+    endpoint, calls = _endpoint()
+    body = encode_request(torch.rand(2, 3, 8, 8), ["a", "b"])
+    headers = {"X-Request-Id": "hung-up", "X-Request-Timeout": "30"}
+
+    async def story():
+        first = asyncio.ensure_future(endpoint.answer("POST", "/score", body, headers))
+        await asyncio.sleep(0.01)  # it is being scored (the stand-in takes 0.05 s)
+        first.cancel()
+        try:
+            await first
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0.2)  # the shielded scoring finishes and is recorded
+        return await endpoint.answer("POST", "/score", body, headers), await endpoint.ledger.stats()
+
+    retry, stats = asyncio.run(story())
+    assert retry.status == 200 and calls == [2]
+    assert stats["finished"] == 1 and stats["cached"] == 1 and stats["running"] == 0
