@@ -70,10 +70,9 @@ def parse_args(argv=None):
     return args
 
 
-def start(args) -> str:
-    """Deploy the app (starting a local Ray unless --address); its name."""
-    name = args.reward.partition("=")[0]
-    build_from_spec(args.reward)  # a wrong name or args fails here, once, not in every replica
+def start(args) -> tuple[str, str]:
+    """Deploy the app (starting a local Ray unless --address): (the reward's name, the app's)."""
+    name, _ = build_from_spec(args.reward)  # a wrong name or args fails here, once, not in every replica
     try:
         import ray
         from ray import serve
@@ -100,7 +99,7 @@ def start(args) -> str:
         latency_ms_per_image=args.latency_ms_per_image,
     )
     serve.run(application, name=app, route_prefix=args.route_prefix)
-    return app
+    return name, app
 
 
 def _interrupt(signum, frame):
@@ -109,10 +108,10 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    app = start(args)
+    name, app = start(args)
     url = f"http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
     print(
-        f"serving reward '{args.reward.partition('=')[0]}' on {url} as Ray Serve app '{app}' "
+        f"serving reward '{name}' on {url} as Ray Serve app '{app}' "
         f"({args.replicas} replicas, batches of up to {args.max_batch} images)",
         flush=True,
     )

@@ -257,8 +257,8 @@ class EvalConfig:
 class GuardConfig:
     gold_drop_se: float | None = _f(
         None,
-        "Alarm when the trained reward has risen since the first evaluation while a gold reward has fallen "
-        "by more than this many standard errors; null: no such rule.",
+        "Alarm when a gold reward has fallen from its best evaluation by more than this many standard "
+        "errors while the trained reward has risen since that evaluation; null: no such rule.",
         valid="> 0",
     )
     limits: dict = _f(

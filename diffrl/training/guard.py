@@ -58,14 +58,12 @@ class Guard:
         self.peaks: dict[str, tuple[float, float, float]] = {}  # gold key -> (best, its SE, trained then)
         self.watch: dict = {}  # the evaluation's reference (colour histogram), saved for resume
 
-    @property
-    def active(self) -> bool:
-        return bool(self.gold or self.rules.limits or self.rules.gold_drop_se or self.rules.keep_best)
-
     # -- state ----------------------------------------------------------------------------
     def save_reference(self, run_dir: Path) -> None:
-        if self.watch:
-            torch.save(self.watch, Path(run_dir) / REFERENCE_FILE)
+        """Write the first evaluation's reference once: it never changes after."""
+        path = Path(run_dir) / REFERENCE_FILE
+        if self.watch and not path.is_file():
+            torch.save(self.watch, path)
 
     def replay(self, rows: list[dict], run_dir: Path) -> None:
         """The state after the evaluations of ``rows`` (metrics.jsonl up to the resumed step)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import torch
 from accelerate import Accelerator
@@ -415,8 +414,7 @@ class Trainer:
             metrics = self.train_step(self.step)
             self.step += 1
             limit = cfg.train.max_skipped_iterations
-            last_saved = functools.partial(checkpoints.latest_complete, cfg.run_dir)
-            watch_updates(self.acc, self.counters, self.step, metrics, before, limit, last_saved)
+            watch_updates(self.acc, self.counters, self.step, metrics, before, limit, run_dir)
             gap_watch.check(self.step, metrics)
             last = self.step == cfg.train.max_steps
             evaluated = cfg.eval.every and (self.step % cfg.eval.every == 0 or last)

@@ -9,6 +9,8 @@ would only burn compute and exit 0 having learned nothing.
 
 from __future__ import annotations
 
+from diffrl.inference.checkpoints import latest_complete
+from diffrl.training.console import say
 from rewards.errors import UserError
 
 
@@ -42,14 +44,12 @@ def check_stalled(in_a_row: int, limit: int, last_checkpoint: str | None) -> Non
     )
 
 
-def watch_updates(accelerator, counters, step: int, metrics: dict, before, limit: int, latest) -> None:
+def watch_updates(accelerator, counters, step: int, metrics: dict, before, limit: int, run_dir) -> None:
     """Say so when iteration ``step`` applied no update; stop after ``limit`` in a row
-    (``latest()``: the newest complete checkpoint, named in that error). ``before``: the
+    (:func:`check_stalled`, naming the run's newest complete checkpoint). ``before``: the
     counters' (optimizer steps, skipped losses, fp16 overflows) before the iteration. An
     iteration whose every step the fp16 gradient scaler skipped is not held against the
     run: the scaler lowers its scale at each overflow and recovers by itself."""
-    from diffrl.training.console import say
-
     c = counters
     if c.optimizer_steps > before[0]:
         c.iterations_without_update = 0
@@ -60,6 +60,5 @@ def watch_updates(accelerator, counters, step: int, metrics: dict, before, limit
         return
     c.iterations_without_update += 1
     say(accelerator, no_update_message(step, metrics, c.skipped_nonfinite_loss - before[1]))
-    if 0 < limit <= c.iterations_without_update:
-        found = latest()
-        check_stalled(c.iterations_without_update, limit, str(found[1]) if found else None)
+    latest = latest_complete(run_dir)
+    check_stalled(c.iterations_without_update, limit, str(latest[1]) if latest else None)
